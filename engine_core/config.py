@@ -1,0 +1,40 @@
+"""EngineConfig: every engine-core setting, frozen, built once by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine core, with vLLM's knob names.
+
+    Values the engine discovers at run time (the number of KV blocks, EOS ids,
+    the effective max_model_len) are returned by the loader and runner and
+    passed on as arguments; they are never written back here.
+    """
+
+    model: str | None = None  # GGUF file, HF directory, or None for the default
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # None: a default from free memory
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")

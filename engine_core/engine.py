@@ -1,0 +1,189 @@
+"""EngineCore: the scheduler, the block manager and the executor, one step at a time.
+
+No sockets and no text here: requests come in as token ids, outputs go out
+as per-request deltas. The socket process (server.py) and the in-process
+client of the offline SDK both drive this class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine_core.block_manager import BlockManager
+from engine_core.config import EngineConfig
+from engine_core.executor import InProcessExecutor
+from engine_core.model_config import (
+    DEFAULT_MODEL_NAME,
+    ModelConfig,
+    load_model_config,
+    resolve_model_path,
+)
+from engine_core.request import Request
+from engine_core.scheduler import Scheduler
+from engine_core.tokenizer_files import tokenizer_dir_for
+from protocol.messages import PROTOCOL_VERSION, AddRequest, Ready, RequestDelta, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts found while starting the engine, passed on (never written into config)."""
+
+    model_name: str
+    model_path: str
+    tokenizer_path: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+class EngineCore:
+    """One engine: add requests, step, read deltas."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.monotonic()
+        self.config = config
+        self.engine_id = uuid.uuid4().hex[:8]
+        model_path = resolve_model_path(config.model)
+        self.model_config: ModelConfig = load_model_config(model_path)
+        self.executor = InProcessExecutor(config, self.model_config)
+        num_blocks = self.executor.initialize_kv_cache()
+        max_model_len = self._max_model_len(num_blocks)
+        self.scheduler = Scheduler(
+            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        name = config.served_model_name or (
+            DEFAULT_MODEL_NAME if config.model is None else config.model
+        )
+        self.info = EngineInfo(
+            model_name=name,
+            model_path=model_path,
+            tokenizer_path=tokenizer_dir_for(model_path),
+            max_model_len=max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            num_kv_blocks=num_blocks,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        logger.info(
+            "engine %s ready in %.1f s: %s, dtype %s, %d KV blocks of %d, max_model_len %d",
+            self.engine_id, time.monotonic() - started, model_path, self.executor.dtype_name,
+            num_blocks, config.block_size, max_model_len,
+        )
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        capacity = num_blocks * self.config.block_size
+        limit = self.model_config.max_position_embeddings
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ValueError(
+                    f"max_model_len {self.config.max_model_len} exceeds the model's "
+                    f"max_position_embeddings {limit}"
+                )
+            if self.config.max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len {self.config.max_model_len} needs more KV cache than the "
+                    f"budget allows ({capacity} tokens); raise kv_cache_memory_bytes"
+                )
+            return self.config.max_model_len
+        return min(limit, capacity)
+
+    def ready_message(self) -> Ready:
+        info = self.info
+        return Ready(
+            engine_id=self.engine_id,
+            protocol_version=PROTOCOL_VERSION,
+            model_name=info.model_name,
+            model_path=info.model_path,
+            tokenizer_path=info.tokenizer_path,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=self.config.block_size,
+            num_kv_blocks=info.num_kv_blocks,
+            eos_token_ids=list(info.eos_token_ids),
+            supported_tasks=["generate"],
+        )
+
+    # --------------------------------------------------------------- requests
+
+    def add_request(self, msg: AddRequest, client_id: str = "") -> RequestDelta | None:
+        """Queue a request; a delta with an error if it can never run."""
+        error = self._validate(msg)
+        if error is not None:
+            return RequestDelta(msg.request_id, [], finish_reason="error", error=error)
+        self.scheduler.add_request(
+            Request(
+                request_id=msg.request_id,
+                prompt_token_ids=msg.prompt_token_ids,
+                sampling_params=msg.sampling_params,
+                eos_token_ids=list(self.info.eos_token_ids),
+                arrival_time=msg.arrival_time,
+                client_id=client_id,
+                priority=msg.priority,
+                lora_name=msg.lora_name,
+            )
+        )
+        return None
+
+    def _validate(self, msg: AddRequest) -> str | None:
+        if msg.request_id in self.scheduler.requests:
+            return f"request id {msg.request_id!r} is already in use"
+        n = len(msg.prompt_token_ids)
+        if n == 0:
+            return "the prompt is empty"
+        max_len = self.info.max_model_len
+        if n >= max_len:
+            return f"the prompt has {n} tokens; the maximum context length is {max_len}"
+        vocab = self.info.vocab_size
+        if any(t < 0 or t >= vocab for t in msg.prompt_token_ids):
+            return f"prompt token ids must be in [0, {vocab})"
+        try:
+            msg.sampling_params.validate(vocab)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------- step
+
+    def step(self) -> list[tuple[Request, RequestDelta]]:
+        """schedule → execute → update."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.finished_request_ids:
+            return []
+        result = self.executor.execute(plan)
+        return self.scheduler.update(plan, result)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # -------------------------------------------------------------- utilities
+
+    def reset_prefix_cache(self) -> bool:
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
+    def get_stats(self) -> dict[str, Any]:
+        bm = self.scheduler.block_manager
+        bm.check_invariants()
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_blocks,
+            "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,30 @@
+"""Executor: the seam between the engine core and its model runner(s).
+
+The engine core only ever calls `executor.execute(plan)`. Today one runner
+lives in this process; a multi-process executor for tensor parallelism can
+take its place without touching the engine core.
+"""
+
+from __future__ import annotations
+
+from engine_core.config import EngineConfig
+from engine_core.model_config import ModelConfig
+from engine_core.model_runner import ModelRunner
+from engine_core.plan import SchedulePlan, StepResult
+
+
+class InProcessExecutor:
+    """Runs the single model runner in the engine-core process."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.runner = ModelRunner(config, model_config)
+
+    def initialize_kv_cache(self) -> int:
+        return self.runner.allocate_kv_cache()
+
+    def execute(self, plan: SchedulePlan) -> StepResult:
+        return self.runner.execute(plan)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.runner.dtype).removeprefix("torch.")

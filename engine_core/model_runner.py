@@ -1,0 +1,241 @@
+"""ModelRunner: owns the weights and the paged KV cache, runs one plan.
+
+It keeps a small state per request it has seen (token ids, block table,
+sampling generator), applies the plan's diffs to it, flattens the batch into
+tensors (token ids, positions, slot mapping, block tables), runs the model
+and samples. It never sees scheduler objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_core.attention import AttentionMetadata, PrefillSeq
+from engine_core.config import EngineConfig
+from engine_core.model_config import ModelConfig
+from engine_core.models.llama import LlamaModel
+from engine_core.plan import NewRequestData, SchedulePlan, StepResult
+from engine_core.sampler import SamplingRow, prompt_logprobs, sample
+from engine_core.weights import load_weights
+from protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 4 << 30
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda" or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's view of one request."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Weights, KV cache and the forward pass for one device."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        weights = load_weights(model_config)
+        self.model = LlamaModel(model_config, weights, self.dtype, self.device)
+        self.block_size = config.block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.eos_token_ids = model_config.eos_token_ids
+
+    # ------------------------------------------------------------- KV cache
+
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def allocate_kv_cache(self) -> int:
+        """Size the cache from the memory budget; returns the number of blocks."""
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = self._default_kv_budget()
+        num_blocks = max(budget // self.kv_bytes_per_block(), 1)
+        mc = self.model_config
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # Zeros, not garbage: masked positions still multiply into the output.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_layers)
+        ]
+        return int(num_blocks)
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            available = DEFAULT_CPU_KV_BYTES * 4
+        return int(min(DEFAULT_CPU_KV_BYTES, available * 0.25))
+
+    def release_kv_cache(self) -> None:
+        self.kv_caches = []
+        self.requests.clear()
+
+    # -------------------------------------------------------------- execute
+
+    def _add_request(self, new: NewRequestData) -> None:
+        p = new.sampling_params
+        generator = None
+        if p.seed is not None and p.temperature != 0.0:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(p.seed)
+            # A request resumed after preemption continues its random stream.
+            for _ in range(new.num_output_tokens):
+                torch.empty(self.model_config.vocab_size).exponential_(generator=generator)
+        self.requests[new.request_id] = CachedRequestState(
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            params=p,
+            generator=generator,
+            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulePlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self._add_request(new)
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        if plan.is_empty:
+            return StepResult()
+
+        # Decode rows (one query token) first, so they batch as one block.
+        order = sorted(plan.num_scheduled_tokens, key=lambda r: plan.num_scheduled_tokens[r] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        sample_ids: list[str] = []
+        logit_rows: list[int] = []  # flat index of each sampling row's last token
+        prompt_lp_rows: list[tuple[str, int, int, int]] = []  # (id, flat start, pos, n)
+        bs = self.block_size
+        for request_id in order:
+            state = self.requests[request_id]
+            n = plan.num_scheduled_tokens[request_id]
+            start = state.num_computed_tokens
+            end = start + n
+            flat_start = len(input_ids)
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = state.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                decode_tables.append(blocks)
+                decode_lens.append(end)
+            else:
+                num_blocks = -(-end // bs)
+                prefills.append(
+                    PrefillSeq(flat_start, n, end, torch.tensor(blocks[:num_blocks], dtype=torch.long))
+                )
+            if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
+                last = min(end, state.num_prompt_tokens - 1)
+                prompt_lp_rows.append((request_id, flat_start, start, last - start))
+            if end == len(state.token_ids):
+                sample_ids.append(request_id)
+                logit_rows.append(len(input_ids) - 1)
+
+        device = self.device
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        table = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
+        for i, blocks in enumerate(decode_tables):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=table.to(device),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+            decode_max_len=max(decode_lens, default=0),
+            prefills=prefills,
+        )
+        hidden = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            meta,
+            self.kv_caches,
+        )
+        result = StepResult()
+        for request_id, flat_start, pos, n in prompt_lp_rows:
+            state = self.requests[request_id]
+            logits = self.model.compute_logits(hidden[flat_start : flat_start + n]).cpu()
+            next_ids = state.token_ids[pos + 1 : pos + 1 + n]
+            result.prompt_logprobs[request_id] = (
+                pos,
+                prompt_logprobs(logits, next_ids, state.params.prompt_logprobs or 0),
+            )
+        if sample_ids:
+            logits = self.model.compute_logits(hidden[logit_rows]).cpu()  # [num_sample, vocab]
+            rows = [self._sampling_row(self.requests[r]) for r in sample_ids]
+            token_ids, logprobs = sample(logits, rows)
+            for request_id, token_id, lp in zip(sample_ids, token_ids, logprobs, strict=True):
+                state = self.requests[request_id]
+                state.token_ids.append(token_id)
+                state.output_token_ids.append(token_id)
+                result.sampled_token_ids[request_id] = token_id
+                if lp is not None:
+                    result.logprobs[request_id] = lp
+        return result
+
+    def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
+        return SamplingRow(
+            params=state.params,
+            generator=state.generator,
+            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            output_token_ids=state.output_token_ids,
+            eos_token_ids=self.eos_token_ids,
+        )

@@ -1,0 +1,154 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in plain torch.
+
+One implementation covers them all: Qwen2 adds a bias to q/k/v, Qwen3 adds
+a per-head RMSNorm on q and k. Projections are fused at load (q|k|v into one
+matmul, gate|up into another) because on CPU fewer, larger matmuls are
+faster. Tokens arrive flat: [num_tokens] ids and positions for the whole
+batch, with attention described by AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine_core.attention import AttentionMetadata, paged_attention
+from engine_core.model_config import ModelConfig, ModelLoadError
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with llama3 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling_dict
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class LlamaModel:
+    """Weights plus the forward pass of a Llama-family decoder."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+        def take(name: str) -> torch.Tensor:
+            tensor = weights.pop(name, None)
+            if tensor is None:
+                raise ModelLoadError(f"{config.path}: weight {name} is missing")
+            return tensor.to(device=device, dtype=dtype)
+
+        self.embed_tokens = take("embed_tokens.weight")
+        if self.embed_tokens.shape != (config.vocab_size, config.hidden_size):
+            raise ModelLoadError(
+                f"{config.path}: embed_tokens has shape {tuple(self.embed_tokens.shape)}, "
+                f"expected {(config.vocab_size, config.hidden_size)}"
+            )
+        self.norm = take("norm.weight")
+        if "lm_head.weight" in weights:
+            self.lm_head = take("lm_head.weight")
+        elif config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            raise ModelLoadError(f"{config.path}: weight lm_head.weight is missing")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"layers.{i}."
+            layer = {
+                "input_layernorm": take(p + "input_layernorm.weight"),
+                "qkv": torch.cat([take(p + "q_proj.weight"), take(p + "k_proj.weight"),
+                                  take(p + "v_proj.weight")]),
+                "o_proj": take(p + "o_proj.weight"),
+                "post_attention_layernorm": take(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
+                "down_proj": take(p + "down_proj.weight"),
+            }
+            expected_qkv = (self.q_size + 2 * self.kv_size, config.hidden_size)
+            if tuple(layer["qkv"].shape) != expected_qkv:
+                raise ModelLoadError(
+                    f"{config.path}: layer {i} q/k/v shapes {tuple(layer['qkv'].shape)} do not "
+                    f"match the config {expected_qkv}"
+                )
+            if config.attention_bias:
+                layer["qkv_bias"] = torch.cat([take(p + "q_proj.bias"), take(p + "k_proj.bias"),
+                                               take(p + "v_proj.bias")])
+            if config.qk_norm:
+                layer["q_norm"] = take(p + "q_norm.weight")
+                layer["k_norm"] = take(p + "k_norm.weight")
+            self.layers.append(layer)
+        inv_freq = rope_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
+        self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
+        self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states after the final norm → [num_tokens, hidden]."""
+        cfg = self.config
+        hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+        cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
+        sin = self.rope_sin[positions][:, None, :]
+        residual = hidden
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = self._rms_norm(residual, layer["input_layernorm"])
+            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))  # [num_tokens, q + 2kv]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = self._rms_norm(q, layer["q_norm"])
+                k = self._rms_norm(k, layer["k_norm"])
+            q = _apply_rope(q, cos, sin)
+            k = _apply_rope(k, cos, sin)
+            attn = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+            residual = residual + F.linear(attn.flatten(1), layer["o_proj"])
+            x = self._rms_norm(residual, layer["post_attention_layernorm"])
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            residual = residual + F.linear(F.silu(gate) * up, layer["down_proj"])
+        return self._rms_norm(residual, self.norm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num, hidden] → float32 logits [num, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As HF does: normalize in float32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding: rotate the two halves of each head."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

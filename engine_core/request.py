@@ -1,0 +1,97 @@
+"""Request: the engine's state of one sequence. Imports no torch.
+
+One progress counter, `num_computed_tokens`, catches up with `num_tokens`.
+There is no prefill or decode phase: a fresh prompt, a chunked prompt, a
+prefix-cache hit and a recompute after preemption are all "computed < total".
+"""
+
+from __future__ import annotations
+
+import enum
+
+from protocol.messages import Logprobs
+from protocol.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence in the engine: prompt, outputs, progress, stop rules."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int],
+        arrival_time: float,
+        client_id: str = "",
+        priority: int = 0,
+        lora_name: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.client_id = client_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.lora_name = lora_name
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first scheduling
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        # Prompt logprobs computed so far (filled chunk by chunk).
+        self.prompt_logprobs: list[Logprobs | None] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        # The frontend always sets max_tokens; None means "up to the limit".
+        mt = self.sampling_params.max_tokens
+        return mt if mt is not None else 1 << 31
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Apply the engine-side stop rules after a new token; True if done."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.finish_reason = "stop"
+                return True
+            if last in params.stop_token_ids:
+                self.finish_reason = "stop"
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,218 @@
+"""Scheduler: continuous batching with chunked prefill and preemption.
+
+Imports no torch. Each step has a token budget (`max_num_batched_tokens`)
+and a cap on sequences (`max_num_seqs`). Running requests are served first,
+then waiting ones; a prompt longer than the budget left is chunked. When
+blocks run out, the lowest-priority, newest running request is preempted:
+its blocks are freed and it is recomputed later (prefix caching usually
+gives most of them back).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from engine_core.block_manager import BlockManager
+from engine_core.plan import CachedRequestData, NewRequestData, SchedulePlan, StepResult
+from engine_core.request import Request, RequestStatus
+from protocol.messages import RequestDelta, SchedulerStats
+
+
+class Scheduler:
+    """Decides what each step computes and applies what it produced."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the runner holds state for; told when they leave.
+        self._runner_known: set[str] = set()
+        self._finished_since_last_plan: list[str] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- intake
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[Request]:
+        """End requests from outside the step (abort, client gone)."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason = reason
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulePlan:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_now = False
+
+        # 1. Running requests first, in order; preempt from the back if short.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_old_blocks = len(self.block_manager.get_block_ids(request.request_id))
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # it preempted itself; self.running[i] is the next one
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            block_ids = self.block_manager.get_block_ids(request.request_id)
+            cached_reqs.append(
+                CachedRequestData(
+                    request.request_id, block_ids[num_old_blocks:], request.num_computed_tokens
+                )
+            )
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt.
+        while self.waiting and not preempted_now and budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            computed: list[int] = []
+            num_hit = 0
+            if request.sampling_params.prompt_logprobs is None:
+                # Prompt logprobs need every prompt position computed.
+                computed, num_hit = self.block_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.block_manager.allocate_slots(request, num_new, computed):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    block_ids=list(self.block_manager.get_block_ids(request.request_id)),
+                    num_computed_tokens=num_hit,
+                    sampling_params=request.sampling_params,
+                    num_output_tokens=request.num_output_tokens,
+                )
+            )
+            self._runner_known.add(request.request_id)
+
+        finished = self._finished_since_last_plan
+        self._finished_since_last_plan = []
+        return SchedulePlan(new_reqs, cached_reqs, num_scheduled, finished)
+
+    # ----------------------------------------------------------------- update
+
+    def update(self, plan: SchedulePlan, result: StepResult) -> list[tuple[Request, RequestDelta]]:
+        """Advance progress, append sampled tokens, apply stop rules.
+
+        Returns (request, delta) for every request that produced something.
+        """
+        deltas: list[tuple[Request, RequestDelta]] = []
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            chunk = result.prompt_logprobs.get(request_id)
+            if chunk is not None:
+                start, logprobs = chunk
+                if not request.prompt_logprobs:
+                    request.prompt_logprobs.append(None)  # the first token has none
+                if start + 1 == len(request.prompt_logprobs):
+                    request.prompt_logprobs.extend(logprobs)
+            token_id = result.sampled_token_ids.get(request_id)
+            if token_id is None:
+                continue  # a prompt chunk that does not reach the end yet
+            is_first = request.num_output_tokens == 0
+            request.append_output_token(token_id)
+            done = request.check_stop(self.max_model_len)
+            logprobs = result.logprobs.get(request_id)
+            delta = RequestDelta(
+                request_id=request_id,
+                new_token_ids=[token_id],
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if is_first and request.sampling_params.prompt_logprobs is not None:
+                delta.prompt_logprobs = list(request.prompt_logprobs)
+            if done:
+                delta.finish_reason = request.finish_reason
+                delta.stop_reason = request.stop_reason
+                self.running.remove(request)
+                self._free(request)
+            deltas.append((request, delta))
+        return deltas
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.block_manager.num_prefix_queries,
+            prefix_cache_hits=self.block_manager.num_prefix_hits,
+        )
+
+    # -------------------------------------------------------------- internals
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        self._forget_in_runner(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _free(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        self.block_manager.free(request)
+        self._forget_in_runner(request.request_id)
+        del self.requests[request.request_id]
+
+    def _forget_in_runner(self, request_id: str) -> None:
+        if request_id in self._runner_known:
+            self._runner_known.discard(request_id)
+            self._finished_since_last_plan.append(request_id)

@@ -1,0 +1,116 @@
+"""Weight loading: HF safetensors directories and GGUF files.
+
+Both end as one dict of tensors under the model's own short names
+(`layers.3.q_proj.weight`, `embed_tokens.weight`, ...). GGUF tensors are
+dequantized to float32 here and cast to the engine dtype by the caller.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine_core.model_config import ModelConfig, ModelLoadError
+
+_GGUF_NAMES = {
+    "token_embd": "embed_tokens",
+    "output_norm": "norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+    "attn_output": "o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+_HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)?\.?(\w+)\.(weight|bias)$")
+
+
+def load_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
+    if config.is_gguf:
+        return _load_gguf(config)
+    return _load_safetensors(config)
+
+
+def _load_safetensors(config: ModelConfig) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(config.path).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{config.path}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors = load_file(str(file))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file: {e}") from e
+        for name, tensor in tensors.items():
+            short = _hf_short_name(name)
+            if short is not None:
+                weights[short] = tensor
+    return weights
+
+
+def _hf_short_name(name: str) -> str | None:
+    if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+        return "embed_tokens.weight"
+    if name in ("model.norm.weight", "norm.weight"):
+        return "norm.weight"
+    if name == "lm_head.weight":
+        return name
+    m = _HF_LAYER.match(name)
+    if m is None:
+        return None  # e.g. rotary inv_freq buffers
+    return f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)}"
+
+
+def _load_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(config.path)
+    except Exception as e:  # noqa: BLE001 - the gguf package raises many types
+        raise ModelLoadError(f"{config.path}: not a readable GGUF file: {e}") from e
+    permute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_short_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"{config.path}: tensor {tensor.name}: cannot dequantize: {e}") from e
+        if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            array = _undo_rotary_permute(array, heads)
+        weights[name] = torch.from_numpy(array.copy())
+    return weights
+
+
+def _gguf_short_name(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4:
+        short = _GGUF_NAMES.get(parts[2])
+        return f"layers.{parts[1]}.{short}.{parts[3]}" if short else None
+    if len(parts) == 2 and parts[0] in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def _undo_rotary_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its rotary layout; undo it."""
+    # [heads * head_dim, in] viewed as [heads, head_dim/2, 2, in], swap the middle axes
+    half = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)

@@ -1,0 +1,55 @@
+"""vLLM-shaped results handed to SDK users and to the HTTP routes.
+
+Logprobs follow vLLM: one dict per position mapping token id → Logprob
+(logprob, rank, decoded_token), holding the chosen token and the top-N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability at one position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One sample (choice) of a request.
+
+    In streaming (delta) mode `text` and `token_ids` hold only what is new
+    since the previous output; otherwise they are cumulative.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # stop token id or stop string
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

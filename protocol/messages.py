@@ -1,0 +1,154 @@
+"""Messages between API servers (frontends) and engine cores.
+
+msgspec Structs only, one tagged union per direction. Frontend → engine:
+Hello, AddRequest, Abort, UtilityCall, Heartbeat. Engine → frontend: Ready,
+Outputs, UtilityResult, EngineDead. Decoding goes by tag into these types and
+nothing else; no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+# ----------------------------------------------------------------------------
+# frontend → engine
+# ----------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """First message of a frontend: who it is and which protocol it speaks."""
+
+    client_id: str
+    protocol_version: int
+
+
+class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
+    """A new request, already tokenized."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    lora_name: str | None = None
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    """Stop these requests now and free their blocks."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    """Call one allow-listed engine method between steps."""
+
+    call_id: int
+    method: str
+    args: list[object] = msgspec.field(default_factory=list)
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """A frontend is alive."""
+
+    client_id: str
+
+
+FrontendMessage = Hello | AddRequest | Abort | UtilityCall | Heartbeat
+
+
+# ----------------------------------------------------------------------------
+# engine → frontend
+# ----------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    """The engine's answer to Hello: what it serves."""
+
+    engine_id: str
+    protocol_version: int
+    model_name: str
+    model_path: str
+    tokenizer_path: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    eos_token_ids: list[int]
+    supported_tasks: list[str]
+    error: str | None = None
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one position: the chosen token first, then the top-N.
+
+    token_ids[0] / logprobs[0] / ranks[0] belong to the token that was chosen
+    (sampled, or the prompt token); the rest are the top-N in order.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id that ended it
+    new_logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    """Engine load and cache figures, sent with outputs for metrics/routing."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    """One step's deltas for one client, plus the engine's stats."""
+
+    deltas: list[RequestDelta]
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result", omit_defaults=True):
+    """The answer to a UtilityCall."""
+
+    call_id: int
+    result: object = None
+    error: str | None = None
+
+
+class EngineDead(msgspec.Struct, tag="engine_dead"):
+    """The engine is going away; in-flight requests are lost."""
+
+    reason: str
+
+
+EngineMessage = Ready | Outputs | UtilityResult | EngineDead
+
+
+def make_frontend_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    """Encoder for what a frontend sends, decoder for what it receives."""
+    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineMessage)
+
+
+def make_engine_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    """Encoder for what an engine sends, decoder for what it receives."""
+    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FrontendMessage)
