@@ -1,0 +1,59 @@
+"""Command-line flags of the engine core (vLLM's names). Imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine_core.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache budget in bytes (default: min(4 GiB, 25%% of free memory) on CPU)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+
+
+def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ns.model,
+        served_model_name=ns.served_model_name,
+        dtype=ns.dtype,
+        device=ns.device,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        seed=ns.seed,
+        num_threads=ns.num_threads,
+    )
+
+
+def engine_args_to_argv(ns: argparse.Namespace) -> list[str]:
+    """The engine flags of a parsed namespace, back as an argv list."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    argv: list[str] = []
+    for action in probe._actions:
+        value = getattr(ns, action.dest, None)
+        if value is None or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv

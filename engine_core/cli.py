@@ -1,0 +1,57 @@
+"""`engine-core`: load a model and serve it to frontends over ZeroMQ."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from engine_core.addresses import default_ipc_address, split_address
+from engine_core.args import add_engine_args, engine_config_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="engine-core", description=__doc__)
+    add_engine_args(parser)
+    parser.add_argument("--address", default=None,
+                        help="ipc:///path or tcp://host:port (default: ipc in a private runtime dir)")
+    parser.add_argument("--log-level", default="info")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("engine-core")
+    address = ns.address or default_ipc_address()
+    try:
+        split_address(address)
+        config = engine_config_from_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+
+    from engine_core.engine import EngineCore
+    from engine_core.model_config import ModelLoadError
+    from engine_core.server import EngineCoreServer
+
+    try:
+        engine = EngineCore(config)
+    except (ModelLoadError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+    try:
+        server = EngineCoreServer(engine, address)
+    except Exception as e:  # noqa: BLE001 - zmq bind errors
+        log.error("cannot bind %s: %s", address, e)
+        return 2
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"engine-core listening on {address}", flush=True)
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""EngineCoreServer: the engine core as a process that frontends talk to.
+
+Two ROUTER sockets: requests come in on one, outputs go out on the other,
+addressed by the sending frontend's identity. An input thread decodes
+messages into a queue and an output thread encodes and sends, so the busy
+loop does no socket I/O and no (de)serialization of its own:
+
+    while running:
+        drain the input queue (block on it when there is nothing to do)
+        deltas = engine.step()              # schedule → execute → update
+        output queue ← deltas grouped by client, one message per client
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import defaultdict
+
+import msgspec
+import zmq
+
+from engine_core.addresses import split_address
+from engine_core.engine import EngineCore
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    EngineDead,
+    EngineMessage,
+    Heartbeat,
+    Hello,
+    Outputs,
+    RequestDelta,
+    UtilityCall,
+    UtilityResult,
+    make_engine_codec,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long the output thread retries a handshake reply while a frontend's
+# output socket is still connecting.
+_READY_RETRY_S = 5.0
+
+
+class EngineCoreServer:
+    """Runs an EngineCore behind ZeroMQ sockets until stopped."""
+
+    def __init__(self, engine: EngineCore, address: str) -> None:
+        self.engine = engine
+        self.address = address
+        self.input_queue: queue.Queue[tuple[bytes, object]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[bytes, EngineMessage] | None] = queue.Queue()
+        self.stop_event = threading.Event()
+        self.clients: set[bytes] = set()
+        self._ctx = zmq.Context()
+        in_addr, out_addr = split_address(address)
+        self._in_sock = self._ctx.socket(zmq.ROUTER)
+        self._in_sock.bind(in_addr)
+        self._out_sock = self._ctx.socket(zmq.ROUTER)
+        self._out_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._out_sock.bind(out_addr)
+        self._threads = [
+            threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
+            threading.Thread(target=self._output_loop, name="engine-output", daemon=True),
+        ]
+        self._utilities = {
+            "reset_prefix_cache": engine.reset_prefix_cache,
+            "get_stats": engine.get_stats,
+            "ping": lambda: "pong",
+        }
+
+    # ------------------------------------------------------------ busy loop
+
+    def run(self) -> None:
+        for thread in self._threads:
+            thread.start()
+        try:
+            while not self.stop_event.is_set():
+                self._drain_inputs(block=not self.engine.has_work())
+                if not self.engine.has_work():
+                    continue
+                self._send_deltas(self.engine.step())
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            if block:
+                identity, msg = self.input_queue.get(timeout=0.5)
+                self._handle(identity, msg)
+            while True:
+                identity, msg = self.input_queue.get_nowait()
+                self._handle(identity, msg)
+        except queue.Empty:
+            pass
+
+    def _handle(self, identity: bytes, msg: object) -> None:
+        client_id = identity.decode(errors="replace")
+        if isinstance(msg, AddRequest):
+            error = self.engine.add_request(msg, client_id)
+            if error is not None:
+                self.output_queue.put((identity, Outputs([error], self.engine.stats(), time.time())))
+        elif isinstance(msg, Abort):
+            self.engine.abort_requests(msg.request_ids)
+        elif isinstance(msg, UtilityCall):
+            self.output_queue.put((identity, self._call_utility(msg)))
+        elif isinstance(msg, Hello):
+            self.clients.add(identity)
+            ready = self.engine.ready_message()
+            if msg.protocol_version != PROTOCOL_VERSION:
+                ready.error = (
+                    f"protocol version mismatch: engine speaks {PROTOCOL_VERSION}, "
+                    f"frontend {msg.protocol_version}"
+                )
+            self.output_queue.put((identity, ready))
+        elif isinstance(msg, Heartbeat):
+            pass
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        method = self._utilities.get(call.method)
+        if method is None:
+            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, result=method(*call.args))
+        except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
+            logger.exception("utility call %s failed", call.method)
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _send_deltas(self, deltas: list) -> None:
+        if not deltas:
+            return
+        by_client: dict[str, list[RequestDelta]] = defaultdict(list)
+        for request, delta in deltas:
+            by_client[request.client_id].append(delta)
+        stats = self.engine.stats()
+        now = time.time()
+        for client_id, client_deltas in by_client.items():
+            self.output_queue.put((client_id.encode(), Outputs(client_deltas, stats, now)))
+
+    # -------------------------------------------------------------- threads
+
+    def _input_loop(self) -> None:
+        _, decoder = make_engine_codec()
+        poller = zmq.Poller()
+        poller.register(self._in_sock, zmq.POLLIN)
+        while not self.stop_event.is_set():
+            if not poller.poll(200):
+                continue
+            frames = self._in_sock.recv_multipart(copy=True)
+            if len(frames) != 2:
+                logger.warning("dropped a message with %d frames", len(frames))
+                continue
+            identity, payload = frames
+            try:
+                msg = decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.warning("dropped an undecodable message from %r: %s", identity[:64], e)
+                continue
+            self.input_queue.put((identity, msg))
+
+    def _output_loop(self) -> None:
+        encoder, _ = make_engine_codec()
+        while True:
+            item = self.output_queue.get()
+            if item is None:
+                return
+            identity, msg = item
+            payload = encoder.encode(msg)
+            deadline = time.monotonic() + (_READY_RETRY_S if not isinstance(msg, Outputs) else 0)
+            while True:
+                try:
+                    self._out_sock.send_multipart([identity, payload], copy=False)
+                    break
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
+                        logger.debug("frontend %r unreachable; dropped a message", identity)
+                        break
+                    time.sleep(0.01)
+
+    def _shutdown(self) -> None:
+        for identity in self.clients:
+            self.output_queue.put((identity, EngineDead("engine core is shutting down")))
+        self.output_queue.put(None)
+        self._threads[1].join(timeout=2.0)
+        self.stop_event.set()
+        self._threads[0].join(timeout=2.0)
+        self._in_sock.close(linger=0)
+        self._out_sock.close(linger=500)
+        self._ctx.term()
+        for addr in split_address(self.address):
+            if addr.startswith("ipc://"):
+                try:
+                    os.unlink(addr[len("ipc://") :])
+                except OSError:
+                    pass

@@ -1,0 +1,1 @@
+"""The HTTP API server: OpenAI-compatible routes on FastAPI."""

@@ -1,0 +1,103 @@
+"""The FastAPI application of one API server, built on an AsyncLLM."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from frontend.api.common import as_api_error, now
+from frontend.api.errors import APIError, install_error_handlers
+from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
+from frontend.api.serving_chat import ChatServer
+from frontend.api.serving_completion import CompletionServer
+from frontend.async_llm import AsyncLLM
+
+VERSION = "0.1.0"
+_OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Settings of one API server, built once from the command line."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    chat_template: str | None = None
+
+
+def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
+    app = FastAPI(title="Pagoda", version=VERSION)
+    install_error_handlers(app)
+    served = [config.served_model_name or engine.model_name]
+    completions = CompletionServer(engine, served)
+    chat = ChatServer(engine, served)
+    app.state.engine = engine
+
+    if config.api_keys:
+        keys = [k.encode() for k in config.api_keys]
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            if request.method == "OPTIONS" or request.url.path in _OPEN_PATHS:
+                return await call_next(request)
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else (
+                request.headers.get("x-api-key", ""))
+            if not any(hmac.compare_digest(token.encode(), k) for k in keys):
+                return APIError(401, "invalid or missing API key").response()
+            return await call_next(request)
+
+    async def guarded(work: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            return await work()
+        except Exception as e:  # noqa: BLE001 - every failure gets the API's error shape
+            return as_api_error(e).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await engine.check_health():
+            return Response(status_code=200)
+        return APIError(503, "the engine core is not available").response()
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now(), "owned_by": "pagoda",
+             "root": engine.ready.model_path, "parent": None,
+             "max_model_len": engine.ready.max_model_len}
+            for name in served
+        ]}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Any:
+        return await guarded(lambda: completions.create(body, request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+        return await guarded(lambda: chat.create(body, request))
+
+    @app.get("/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse(await engine.get_stats())
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        await engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    return app

@@ -1,0 +1,159 @@
+"""Helpers shared by the generation routes: params, SSE, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from frontend.api.errors import APIError, error_json
+from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
+from frontend.async_llm import AsyncLLM, EngineRequestError
+from frontend.engine_client import EngineDeadError
+from protocol.sampling_params import SamplingParams, SamplingParamsError
+
+T = TypeVar("T")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_model(engine: AsyncLLM, served_names: list[str], model: str | None) -> str:
+    """The served name a request asks for; 404 for any other."""
+    if model is None or model in served_names:
+        return model or served_names[0]
+    raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+def sampling_params_from(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """OpenAI request fields → SamplingParams (validated)."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    logit_bias: dict[int, float] | None = None
+    if req.logit_bias:
+        try:
+            logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
+    params = SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        logit_bias=logit_bias,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    return params
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Map what generation can raise onto the API's error shape."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SamplingParamsError):
+        return APIError(400, str(exc), exc.param)
+    if isinstance(exc, EngineRequestError | ValueError):
+        return APIError(400, str(exc)[:500])
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, f"the engine core is not available: {exc}", err_type="engine_error")
+    return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the HTTP client goes away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; cancel it (aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Stream events; an error after the start becomes an error event, then [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to the client in-band
+        yield sse(error_json(as_api_error(e)))
+    yield "data: [DONE]\n\n"
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive: (stream index, item)."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

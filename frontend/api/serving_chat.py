@@ -1,0 +1,193 @@
+"""POST /v1/chat/completions: messages through the chat template → a reply."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from frontend.api.common import (
+    check_model,
+    new_id,
+    now,
+    sampling_params_from,
+    sse,
+    sse_with_errors,
+    unless_disconnected,
+)
+from frontend.api.errors import APIError
+from frontend.api.openai_models import ChatCompletionRequest
+from frontend.async_llm import AsyncLLM
+from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from frontend.tokenizer import ChatTemplateError
+from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def messages_to_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Flatten list-of-parts content to text, as chat templates expect."""
+    messages = []
+    for i, msg in enumerate(req.messages):
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, "only text content parts are supported",
+                                   f"messages.{i}.content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
+        if msg.name is not None:
+            entry["name"] = msg.name
+        if msg.tool_calls is not None:
+            entry["tool_calls"] = msg.tool_calls
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
+        messages.append(entry)
+    return messages
+
+
+def chat_logprobs(engine: AsyncLLM, token_ids: list[int], logprobs: list[PositionLogprobs],
+                  num_top: int) -> list[dict[str, Any]]:
+    content = []
+    for token_id, position in zip(token_ids, logprobs, strict=True):
+        chosen = position.get(token_id)
+        text = engine.tokenizer.token_text(token_id)
+        top = []
+        for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank or 0):
+            if lp.rank is not None and 1 <= lp.rank <= num_top and len(top) < num_top:
+                t = lp.decoded_token or engine.tokenizer.token_text(tid)
+                top.append({"token": t, "logprob": lp.logprob, "bytes": list(t.encode())})
+        content.append({"token": text, "logprob": chosen.logprob if chosen else float("-inf"),
+                        "bytes": list(text.encode()), "top_logprobs": top})
+    return content
+
+
+class ChatServer:
+    """Handles /v1/chat/completions for one AsyncLLM."""
+
+    def __init__(self, engine: AsyncLLM, served_names: list[str]) -> None:
+        self.engine = engine
+        self.served_names = served_names
+
+    def render(self, req: ChatCompletionRequest) -> str:
+        if req.tool_choice not in (None, "none", "auto") and not req.tools:
+            raise APIError(400, "tool_choice requires tools", "tool_choice")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "response_format other than text is not supported yet",
+                           "response_format")
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                messages_to_dicts(req),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tools=req.tools,
+                chat_template=req.chat_template,
+                **(req.chat_template_kwargs or {}),
+            )
+        except ChatTemplateError as e:
+            raise APIError(400, str(e)[:500], "messages") from None
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        model = check_model(self.engine, self.served_names, req.model)
+        top = req.top_logprobs
+        if top is not None and top > MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be at most {MAX_LOGPROBS}", "top_logprobs")
+        if top is not None and top > 0 and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (top or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = sampling_params_from(req, max_tokens, logprobs)
+        prompt = self.render(req)
+        prompt_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+        request_id = new_id("chatcmpl")
+        created = now()
+        stream = self.engine.generate_tokens(prompt, prompt_ids, params, request_id,
+                                             priority=req.priority)
+        if req.stream:
+            # Validation errors must be a 400, not an in-stream error: start it first.
+            first = await anext(stream)
+            events = self._stream(req, params, len(prompt_ids), first, stream, request_id,
+                                  created, model)
+            return StreamingResponse(sse_with_errors(events), media_type="text/event-stream")
+        final = await unless_disconnected(raw, _last(stream))
+        return JSONResponse(self._response(req, params, len(prompt_ids), final, request_id,
+                                           created, model))
+
+    def _response(self, req: ChatCompletionRequest, params: SamplingParams, num_prompt: int,
+                  outputs: list[CompletionOutput], request_id: str, created: int,
+                  model: str) -> dict[str, Any]:
+        choices = []
+        for out in outputs:
+            logprobs = None
+            if req.logprobs and out.logprobs is not None:
+                logprobs = {"content": chat_logprobs(self.engine, out.token_ids, out.logprobs,
+                                                     req.top_logprobs or 0)}
+            choices.append({
+                "index": out.index,
+                "message": {"role": "assistant", "content": out.text, "tool_calls": []},
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            })
+        num_completion = sum(len(o.token_ids) for o in outputs)
+        return {
+            "id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices,
+            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                      "total_tokens": num_prompt + num_completion},
+        }
+
+    async def _stream(self, req: ChatCompletionRequest, params: SamplingParams, num_prompt: int,
+                      first: RequestOutput, rest: AsyncIterator[RequestOutput], request_id: str,
+                      created: int, model: str) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model}
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = dict(base, choices=choices, **extra)
+            if include_usage and "usage" not in extra:
+                body["usage"] = None
+            return sse(body)
+
+        for i in range(params.n):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        num_completion = 0
+
+        async def all_outputs() -> AsyncIterator[RequestOutput]:
+            yield first
+            async for out in rest:
+                yield out
+
+        async for out in all_outputs():
+            for o in out.outputs:
+                num_completion += len(o.token_ids)
+                logprobs = None
+                if req.logprobs and o.logprobs is not None:
+                    logprobs = {"content": chat_logprobs(self.engine, o.token_ids, o.logprobs,
+                                                         req.top_logprobs or 0)}
+                delta = {"content": o.text} if o.text or o.finish_reason is None else {}
+                yield chunk([{"index": o.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
+        if include_usage:
+            yield chunk([], usage={"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                                   "total_tokens": num_prompt + num_completion})
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> list[CompletionOutput]:
+    """Accumulate a delta stream into the final outputs."""
+    acc: dict[int, CompletionOutput] = {}
+    async for out in stream:
+        for o in out.outputs:
+            target = acc.setdefault(o.index, CompletionOutput(o.index, "", []))
+            target.text += o.text
+            target.token_ids += o.token_ids
+            if o.logprobs is not None:
+                target.logprobs = (target.logprobs or []) + o.logprobs
+            target.finish_reason = o.finish_reason
+            target.stop_reason = o.stop_reason
+    return [acc[i] for i in sorted(acc)]

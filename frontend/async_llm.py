@@ -1,0 +1,190 @@
+"""AsyncLLM: async streaming generation against an engine-core process.
+
+    engine = await AsyncLLM.from_engine_args(model=None)      # starts engine-core
+    engine = await AsyncLLM.connect("ipc:///run/.../engine")   # or attaches
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+        print(out.outputs[0].text)
+
+The API server is built on this class. Outputs are deltas by default
+(`output_kind="delta"`): each RequestOutput carries only what is new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from frontend.engine_client import AsyncMPClient, EngineDeadError
+from frontend.output_processor import OutputKind, RequestState
+from frontend.outputs import RequestOutput
+from frontend.processor import Processor, PromptType
+from frontend.tokenizer import Tokenizer
+from protocol.messages import RequestDelta
+from protocol.sampling_params import SamplingParams
+
+
+class EngineRequestError(ValueError):
+    """The engine refused a request (its message says why)."""
+
+
+class AsyncLLM:
+    """Streams generations from one engine core; many requests at once."""
+
+    def __init__(self, client: AsyncMPClient, tokenizer: Tokenizer,
+                 engine_process: subprocess.Popen[bytes] | None = None) -> None:
+        assert client.ready is not None
+        self.client = client
+        self.ready = client.ready
+        self.tokenizer = tokenizer
+        self.processor = Processor(tokenizer, client.ready)
+        self.model_name = client.ready.model_name
+        self._engine_process = engine_process
+        # request id -> (engine request ids, the queue its deltas arrive on)
+        self._active: dict[str, tuple[list[str], asyncio.Queue[tuple[int, RequestDelta | None]]]] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(cls, address: str, chat_template: str | None = None,
+                      timeout: float = 120.0) -> AsyncLLM:
+        """Attach to a running engine core."""
+        client = AsyncMPClient(address)
+        ready = await client.start(timeout=timeout)
+        tokenizer = await asyncio.to_thread(Tokenizer, ready.tokenizer_path, chat_template)
+        return cls(client, tokenizer)
+
+    @classmethod
+    async def from_engine_args(cls, model: str | None = None, chat_template: str | None = None,
+                               startup_timeout: float = 300.0, **engine_args: Any) -> AsyncLLM:
+        """Start an engine-core child process with these args and attach to it."""
+        from engine_core.addresses import default_ipc_address
+
+        address = default_ipc_address()
+        argv = [sys.executable, "-m", "engine_core.cli", "--address", address]
+        if model is not None:
+            argv += ["--model", model]
+        for key, value in engine_args.items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif value is not None:
+                argv += [flag, str(value)]
+        process = subprocess.Popen(argv, env=os.environ.copy())
+        try:
+            client = AsyncMPClient(address)
+            ready = await client.start(timeout=startup_timeout)
+        except EngineDeadError:
+            process.terminate()
+            raise
+        tokenizer = await asyncio.to_thread(Tokenizer, ready.tokenizer_path, chat_template)
+        return cls(client, tokenizer, process)
+
+    async def shutdown(self) -> None:
+        await self.client.close()
+        if self._engine_process is not None:
+            self._engine_process.terminate()
+            try:
+                await asyncio.to_thread(self._engine_process.wait, 10)
+            except subprocess.TimeoutExpired:
+                self._engine_process.kill()
+            self._engine_process = None
+
+    @property
+    def is_dead(self) -> bool:
+        return self.client.dead is not None
+
+    # ------------------------------------------------------------- requests
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        output_kind: OutputKind = "delta",
+        add_special_tokens: bool = True,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs as they come; aborts the engine request if the caller stops."""
+        processed = self.processor.process_prompt(prompt, add_special_tokens)
+        async for out in self.generate_tokens(processed.prompt, processed.prompt_token_ids,
+                                              sampling_params, request_id, output_kind, priority):
+            yield out
+
+    async def generate_tokens(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        output_kind: OutputKind = "delta",
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        from frontend.processor import ProcessedPrompt
+
+        if request_id in self._active:
+            raise EngineRequestError(f"request id {request_id!r} is already in use")
+        params, requests = self.processor.make_requests(
+            request_id, ProcessedPrompt(prompt, prompt_token_ids), sampling_params, priority
+        )
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
+                             output_kind)
+        queue: asyncio.Queue[tuple[int, RequestDelta | None]] = asyncio.Queue()
+        child_ids = [r.request_id for r in requests]
+        self._active[request_id] = (child_ids, queue)
+        try:
+            for index, request in enumerate(requests):
+                await self.client.add_request(
+                    request, lambda d, i=index: queue.put_nowait((i, d))
+                )
+            while not state.finished:
+                index, delta = await queue.get()
+                batch = [(index, delta)]
+                while not queue.empty():  # fold everything already here into one output
+                    batch.append(queue.get_nowait())
+                for index, delta in batch:
+                    if index < 0:  # aborted through abort()
+                        state.finish_all("abort")
+                        break
+                    if delta is None:
+                        raise EngineDeadError(self.client.dead or "the engine core died")
+                    if delta.error is not None:
+                        raise EngineRequestError(delta.error)
+                    if state.apply(index, delta):
+                        await self.client.abort([child_ids[index]])
+                output = state.make_output()
+                if output is not None:
+                    yield output
+        finally:
+            del self._active[request_id]
+            unfinished = [cid for i, cid in enumerate(child_ids)
+                          if state.samples[i].finish_reason is None]
+            for cid in child_ids:
+                self.client.forget(cid)
+            if unfinished and self.client.dead is None:
+                # The caller went away (disconnect, cancel): free the engine's blocks now.
+                await self.client.abort(unfinished)
+
+    async def abort(self, request_id: str) -> None:
+        active = self._active.get(request_id)
+        if active is not None:
+            child_ids, queue = active
+            await self.client.abort(child_ids)
+            queue.put_nowait((-1, None))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.client.call_utility("reset_prefix_cache"))
+
+    async def get_stats(self) -> dict[str, Any]:
+        return dict(await self.client.call_utility("get_stats"))
+
+    async def check_health(self) -> bool:
+        if self.client.dead is not None:
+            return False
+        try:
+            return await self.client.call_utility("ping", timeout=5.0) == "pong"
+        except (EngineDeadError, RuntimeError, TimeoutError):
+            return False

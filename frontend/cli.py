@@ -1,0 +1,90 @@
+"""`api-server`: an HTTP server attached to a running engine core."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("api server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", action="append", default=None,
+                   help="required bearer key (repeatable; also PAGODA_API_KEY)")
+    g.add_argument("--chat-template", default=None, help="a jinja template file or string")
+    g.add_argument("--uvicorn-log-level", default="warning")
+
+
+def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
+    argv = ["--host", ns.host, "--port", str(ns.port), "--uvicorn-log-level", ns.uvicorn_log_level]
+    for key in ns.api_key or []:
+        argv += ["--api-key", key]
+    if ns.chat_template:
+        argv += ["--chat-template", ns.chat_template]
+    return argv
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket that several API server processes can share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from frontend.api.app import FrontendConfig, build_app
+    from frontend.async_llm import AsyncLLM
+    from frontend.engine_client import EngineDeadError
+
+    log = logging.getLogger("api-server")
+    keys = list(ns.api_key or [])
+    if not keys and os.environ.get("PAGODA_API_KEY"):
+        keys = [os.environ["PAGODA_API_KEY"]]
+    config = FrontendConfig(host=ns.host, port=ns.port, api_keys=tuple(keys),
+                            served_model_name=ns.served_model_name, chat_template=ns.chat_template)
+    sock = bind_socket(ns.host, ns.port)
+    try:
+        engine = await AsyncLLM.connect(ns.engine, chat_template=ns.chat_template,
+                                        timeout=ns.engine_timeout)
+    except EngineDeadError as e:
+        log.error("%s", e)
+        return 3
+    app = build_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=ns.uvicorn_log_level, loop="none",
+                                           timeout_graceful_shutdown=5))
+    print(f"api-server on http://{ns.host}:{ns.port} serving {engine.model_name}", flush=True)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await engine.client.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="api-server", description=__doc__)
+    parser.add_argument("--engine", required=True, help="the engine core's address")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--engine-timeout", type=float, default=300.0,
+                        help="seconds to wait for the engine core to answer")
+    add_frontend_args(parser)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    return uvloop.run(serve(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Clients of an engine core: in-process (offline SDK) and over ZeroMQ (servers).
+
+Both speak the same messages (protocol/): add requests, abort them, call
+utilities, receive per-request deltas. The in-process client steps the
+engine itself; the ZeroMQ client attaches to a running `engine-core`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine_core.addresses import split_address
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    EngineDead,
+    Heartbeat,
+    Hello,
+    Outputs,
+    Ready,
+    RequestDelta,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+    make_frontend_codec,
+)
+
+if TYPE_CHECKING:
+    from engine_core.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core went away or never answered."""
+
+
+class InprocClient:
+    """Runs an EngineCore inside this process (used by the offline LLM)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from engine_core.engine import EngineCore  # torch lives behind this import
+
+        self.engine = EngineCore(config)
+        self.ready = self.engine.ready_message()
+        self._pending_errors: list[RequestDelta] = []
+
+    def add_request(self, request: AddRequest) -> None:
+        error = self.engine.add_request(request)
+        if error is not None:
+            self._pending_errors.append(error)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return bool(self._pending_errors) or self.engine.has_work()
+
+    def get_outputs(self) -> list[RequestDelta]:
+        """Run one engine step; the deltas it produced."""
+        deltas, self._pending_errors = self._pending_errors, []
+        deltas += [delta for _, delta in self.engine.step()]
+        return deltas
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        utilities: dict[str, Callable[..., Any]] = {
+            "reset_prefix_cache": self.engine.reset_prefix_cache,
+            "get_stats": self.engine.get_stats,
+        }
+        if method not in utilities:
+            raise ValueError(f"unknown utility method {method!r}")
+        return utilities[method](*args)
+
+
+class AsyncMPClient:
+    """An asyncio client of an engine-core process over ZeroMQ.
+
+    Deltas are routed to per-request callbacks registered by add_request;
+    everything runs on the event loop thread.
+    """
+
+    def __init__(self, address: str, client_id: str | None = None) -> None:
+        self.address = address
+        self.client_id = client_id or f"fe-{uuid.uuid4().hex[:12]}"
+        self.ready: Ready | None = None
+        self.stats = SchedulerStats()
+        self.dead: str | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._encoder, self._decoder = make_frontend_codec()
+        self._handlers: dict[str, Callable[[RequestDelta | None], None]] = {}
+        self._utility_futures: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._in_sock: zmq.asyncio.Socket | None = None
+        self._out_sock: zmq.asyncio.Socket | None = None
+        self.last_output_time = time.monotonic()
+
+    async def start(self, timeout: float = 60.0) -> Ready:
+        """Connect and handshake; raises EngineDeadError if nobody answers."""
+        in_addr, out_addr = split_address(self.address)
+        identity = self.client_id.encode()
+        self._out_sock = self._ctx.socket(zmq.DEALER)
+        self._out_sock.setsockopt(zmq.IDENTITY, identity)
+        self._out_sock.setsockopt(zmq.LINGER, 0)
+        self._out_sock.connect(out_addr)
+        self._in_sock = self._ctx.socket(zmq.DEALER)
+        self._in_sock.setsockopt(zmq.IDENTITY, identity)
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.connect(in_addr)
+        ready_future: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
+        self._tasks.append(asyncio.create_task(self._output_loop(ready_future)))
+        deadline = time.monotonic() + timeout
+        # The engine may still be loading: repeat Hello until it answers.
+        while not ready_future.done():
+            await self._send(Hello(self.client_id, PROTOCOL_VERSION))
+            try:
+                await asyncio.wait_for(asyncio.shield(ready_future), timeout=1.0)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    await self.close()
+                    raise EngineDeadError(f"no engine core answered at {self.address}") from None
+        ready = ready_future.result()
+        if ready.error:
+            await self.close()
+            raise EngineDeadError(ready.error)
+        self.ready = ready
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        return ready
+
+    async def _send(self, msg: msgspec.Struct) -> None:
+        assert self._in_sock is not None
+        await self._in_sock.send(self._encoder.encode(msg), copy=False)
+
+    async def add_request(
+        self, request: AddRequest, handler: Callable[[RequestDelta | None], None]
+    ) -> None:
+        """Send a request; `handler` gets its deltas (None if the engine died)."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self._handlers[request.request_id] = handler
+        await self._send(request)
+
+    def forget(self, request_id: str) -> None:
+        self._handlers.pop(request_id, None)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._handlers.pop(request_id, None)
+        if self.dead is None and request_ids:
+            await self._send(Abort(list(request_ids)))
+
+    async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._utility_futures[call_id] = future
+        try:
+            await self._send(UtilityCall(call_id, method, list(args)))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._utility_futures.pop(call_id, None)
+
+    async def _output_loop(self, ready_future: asyncio.Future[Ready]) -> None:
+        assert self._out_sock is not None
+        while True:
+            try:
+                payload = await self._out_sock.recv()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                msg = self._decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.warning("dropped an undecodable message from the engine: %s", e)
+                continue
+            self.last_output_time = time.monotonic()
+            if isinstance(msg, Outputs):
+                if msg.stats is not None:
+                    self.stats = msg.stats
+                for delta in msg.deltas:
+                    handler = self._handlers.get(delta.request_id)
+                    if handler is not None:
+                        if delta.finish_reason is not None:
+                            del self._handlers[delta.request_id]
+                        handler(delta)
+            elif isinstance(msg, UtilityResult):
+                future = self._utility_futures.get(msg.call_id)
+                if future is not None and not future.done():
+                    if msg.error is not None:
+                        future.set_exception(RuntimeError(msg.error))
+                    else:
+                        future.set_result(msg.result)
+            elif isinstance(msg, Ready):
+                if not ready_future.done():
+                    ready_future.set_result(msg)
+            elif isinstance(msg, EngineDead):
+                self._fail_all(msg.reason)
+
+    async def _heartbeat_loop(self) -> None:
+        while self.dead is None:
+            await asyncio.sleep(2.0)
+            try:
+                await self._send(Heartbeat(self.client_id))
+            except zmq.ZMQError:
+                return
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead = reason
+        handlers, self._handlers = self._handlers, {}
+        for handler in handlers.values():
+            handler(None)
+        for future in self._utility_futures.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._tasks = []
+        for sock in (self._in_sock, self._out_sock):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,158 @@
+"""LLM: the offline batch SDK (vLLM's `LLM`).
+
+    from frontend import LLM, SamplingParams
+    llm = LLM()                      # the default model
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+The engine runs in this process behind the same client interface that the
+API server uses over ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from frontend.engine_client import InprocClient
+from frontend.output_processor import RequestState
+from frontend.outputs import RequestOutput
+from frontend.processor import Processor, PromptType
+from frontend.tokenizer import Tokenizer
+from protocol.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching."""
+
+    def __init__(
+        self, model: str | None = None, *, chat_template: str | None = None, **engine_args: Any
+    ) -> None:
+        from engine_core.config import EngineConfig
+
+        self.client = InprocClient(EngineConfig(model=model, **engine_args))
+        self.ready = self.client.ready
+        self.tokenizer = Tokenizer(self.ready.tokenizer_path, chat_template)
+        self.processor = Processor(self.tokenizer, self.ready)
+        self._ids = itertools.count()
+
+    @property
+    def engine(self) -> Any:
+        return self.client.engine
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(prompt_list, sampling_params, use_tqdm, add_special_tokens=True)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the chat template, then generate."""
+        conversations: Sequence[ChatMessages]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        prompts: list[PromptType] = [
+            self.tokenizer.apply_chat_template(
+                list(conv), add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools,
+                chat_template=chat_template,
+            )
+            for conv in conversations
+        ]
+        # The template already holds the special tokens.
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.client.call_utility("reset_prefix_cache"))
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError("the number of sampling params must match the number of prompts")
+
+        states: dict[str, RequestState] = {}
+        routes: dict[str, tuple[RequestState, int]] = {}
+        order: list[str] = []
+        # Validate everything before anything reaches the engine.
+        pending = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            request_id = str(next(self._ids))
+            processed = self.processor.process_prompt(prompt, add_special_tokens)
+            params, requests = self.processor.make_requests(request_id, processed, params)
+            state = RequestState(request_id, processed.prompt, processed.prompt_token_ids, params,
+                                 self.tokenizer, "final")
+            pending.append((state, requests))
+        for state, requests in pending:
+            states[state.request_id] = state
+            order.append(state.request_id)
+            for index, request in enumerate(requests):
+                routes[request.request_id] = (state, index)
+                self.client.add_request(request)
+
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(results) < len(order):
+                if not self.client.has_work():
+                    raise RuntimeError("the engine stopped with requests unfinished")
+                for delta in self.client.get_outputs():
+                    route = routes.get(delta.request_id)
+                    if route is None:
+                        continue
+                    state, index = route
+                    if delta.error is not None:
+                        raise ValueError(delta.error)
+                    if state.apply(index, delta):  # a stop string matched
+                        self.client.abort([delta.request_id])
+                    if state.finished and state.request_id not in results:
+                        output = state.make_output()
+                        assert output is not None
+                        results[state.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self.client.abort(list(routes))
+            raise
+        finally:
+            bar.close()
+        return [results[request_id] for request_id in order]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt of token ids
+    return list(prompts)  # type: ignore[arg-type]

@@ -1,0 +1,87 @@
+"""`pagoda serve`: one engine core and N API servers, supervised together.
+
+If any child exits, the others are stopped and `pagoda` exits non-zero
+naming it; SIGINT or SIGTERM stops all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+from engine_core.addresses import default_ipc_address
+from engine_core.args import add_engine_args, engine_args_to_argv
+from frontend.cli import add_frontend_args, frontend_args_to_argv
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    address = ns.address or default_ipc_address()
+    python = sys.executable
+    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    engine_argv = [python, "-m", "engine_core.cli", "--address", address, *engine_args_to_argv(ns)]
+    children.append(("engine-core", subprocess.Popen(engine_argv)))
+    api_argv = [python, "-m", "frontend.cli", "--engine", address, *frontend_args_to_argv(ns)]
+    if ns.served_model_name:
+        api_argv += ["--served-model-name", ns.served_model_name]
+    for i in range(ns.api_server_count):
+        children.append((f"api-server {i}", subprocess.Popen(api_argv)))
+
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    exit_code = 0
+    try:
+        while not stopping:
+            for name, proc in children:
+                code = proc.poll()
+                if code is not None:
+                    print(f"pagoda: {name} exited with code {code}; stopping the others",
+                          file=sys.stderr, flush=True)
+                    exit_code = code or 1
+                    stopping = True
+                    break
+            time.sleep(0.2)
+    finally:
+        # API servers first, so that they stop taking requests before the engine goes.
+        for _, proc in reversed(children):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 15
+        for _, proc in reversed(children):
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start an engine core and API servers")
+    add_engine_args(serve)
+    add_frontend_args(serve)
+    serve.add_argument("--api-server-count", type=int, default=1)
+    serve.add_argument("--address", default=None, help="the engine core's address")
+    serve.add_argument("model_tag", nargs="?", default=None, help="same as --model")
+    ns = parser.parse_args(argv)
+    if ns.command == "serve":
+        if ns.model_tag and not ns.model:
+            ns.model = ns.model_tag
+        if ns.api_server_count < 1:
+            parser.error("--api-server-count must be at least 1")
+        return _serve(ns)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

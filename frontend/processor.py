@@ -1,0 +1,106 @@
+"""Input processing shared by LLM, AsyncLLM and the API server.
+
+Turns a prompt (text, token ids, or vLLM's prompt dicts) and SamplingParams
+into validated engine requests: tokenizes, checks lengths against the
+engine's max_model_len, and fans a request with n samples out into n engine
+requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from frontend.output_processor import child_params, child_request_id
+from frontend.tokenizer import Tokenizer
+from protocol.messages import AddRequest, Ready
+from protocol.sampling_params import SamplingParams, SamplingParamsError
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class PromptTooLongError(SamplingParamsError):
+    """Prompt plus max_tokens does not fit the context."""
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class Processor:
+    """Tokenizes and validates requests for one engine's model."""
+
+    def __init__(self, tokenizer: Tokenizer, ready: Ready) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+
+    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return ProcessedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return self.process_prompt(prompt["prompt"], add_special_tokens)
+            raise SamplingParamsError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return ProcessedPrompt(None, self._check_ids(prompt))
+        raise SamplingParamsError("prompt", f"unsupported prompt type {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise SamplingParamsError("prompt", "token id prompts must be lists of integers")
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise SamplingParamsError(
+                    "prompt", f"token id {t} is out of vocabulary (size {self.vocab_size})"
+                )
+        return ids
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_name: str | None = None,
+    ) -> tuple[SamplingParams, list[AddRequest]]:
+        """Validate and fan out; returns the effective params and the engine requests."""
+        num_prompt = len(prompt.prompt_token_ids)
+        if num_prompt == 0:
+            raise SamplingParamsError("prompt", "the prompt is empty")
+        params.validate(self.vocab_size)
+        if params.max_tokens is None:
+            import msgspec
+
+            params = msgspec.structs.replace(
+                params, max_tokens=max(self.max_model_len - num_prompt, 1)
+            )
+        assert params.max_tokens is not None
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                "max_tokens" if num_prompt < self.max_model_len else "messages",
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_prompt + params.max_tokens} tokens "
+                f"({num_prompt} in the messages, {params.max_tokens} in the completion). "
+                f"Please reduce the length of the messages or completion.",
+            )
+        now = time.time()
+        requests = [
+            AddRequest(
+                request_id=child_request_id(request_id, i, params.n),
+                prompt_token_ids=prompt.prompt_token_ids,
+                sampling_params=child_params(params, i),
+                arrival_time=now,
+                priority=priority,
+                lora_name=lora_name,
+            )
+            for i in range(params.n)
+        ]
+        return params, requests

@@ -1,0 +1,90 @@
+"""Start and stop real engine-core and api-server processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Processes:
+    """A set of child processes started by a test, stopped together."""
+
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def start(self, argv: list[str], name: str) -> subprocess.Popen[bytes]:
+        log = Path(tempfile.mkstemp(prefix=f"pagoda-{name}-", suffix=".log")[1])
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        self.logs.append(log)
+        return proc
+
+    def stop(self) -> list[int | None]:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=20))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                codes.append(proc.wait())
+        return codes
+
+    def tail(self, n: int = 40) -> str:
+        out = []
+        for log in self.logs:
+            lines = log.read_text(errors="replace").splitlines()[-n:]
+            out.append(f"--- {log.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+
+def engine_argv(address: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "engine_core.cli", "--address", address, *extra]
+
+
+def api_argv(address: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "frontend.cli", "--engine", address, "--port", str(port),
+            "--host", "127.0.0.1", *extra]
+
+
+def wait_healthy(base_url: str, procs: Processes, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a server process exited early:\n{procs.tail()}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"server not healthy after {timeout} s:\n{procs.tail()}")
+
+
+def ipc_address() -> str:
+    directory = tempfile.mkdtemp(prefix="pagoda-test-")
+    return f"ipc://{directory}/engine"
