@@ -182,7 +182,7 @@ def _config_from_gguf(path: str) -> ModelConfig:
     return ModelConfig(
         path=path,
         architecture=arch,
-        vocab_size=int(vocab),
+        vocab_size=int(vocab or 0),
         hidden_size=hidden,
         num_layers=int(get("block_count")),
         num_heads=heads,

@@ -15,7 +15,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from frontend.engine_client import AsyncMPClient, EngineDeadError
@@ -27,6 +27,13 @@ from protocol.messages import RequestDelta
 from protocol.sampling_params import SamplingParams
 
 
+def _enqueue(
+    queue: asyncio.Queue[tuple[int, RequestDelta | None]], index: int
+) -> Callable[[RequestDelta | None], None]:
+    """A delta handler that tags deltas with their sample index."""
+    return lambda delta: queue.put_nowait((index, delta))
+
+
 class EngineRequestError(ValueError):
     """The engine refused a request (its message says why)."""
 
@@ -34,8 +41,12 @@ class EngineRequestError(ValueError):
 class AsyncLLM:
     """Streams generations from one engine core; many requests at once."""
 
-    def __init__(self, client: AsyncMPClient, tokenizer: Tokenizer,
-                 engine_process: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(
+        self,
+        client: AsyncMPClient,
+        tokenizer: Tokenizer,
+        engine_process: subprocess.Popen[bytes] | None = None,
+    ) -> None:
         assert client.ready is not None
         self.client = client
         self.ready = client.ready
@@ -44,13 +55,16 @@ class AsyncLLM:
         self.model_name = client.ready.model_name
         self._engine_process = engine_process
         # request id -> (engine request ids, the queue its deltas arrive on)
-        self._active: dict[str, tuple[list[str], asyncio.Queue[tuple[int, RequestDelta | None]]]] = {}
+        self._active: dict[
+            str, tuple[list[str], asyncio.Queue[tuple[int, RequestDelta | None]]]
+        ] = {}
 
     # ------------------------------------------------------------ lifecycle
 
     @classmethod
-    async def connect(cls, address: str, chat_template: str | None = None,
-                      timeout: float = 120.0) -> AsyncLLM:
+    async def connect(
+        cls, address: str, chat_template: str | None = None, timeout: float = 120.0
+    ) -> AsyncLLM:
         """Attach to a running engine core."""
         client = AsyncMPClient(address)
         ready = await client.start(timeout=timeout)
@@ -58,8 +72,13 @@ class AsyncLLM:
         return cls(client, tokenizer)
 
     @classmethod
-    async def from_engine_args(cls, model: str | None = None, chat_template: str | None = None,
-                               startup_timeout: float = 300.0, **engine_args: Any) -> AsyncLLM:
+    async def from_engine_args(
+        cls,
+        model: str | None = None,
+        chat_template: str | None = None,
+        startup_timeout: float = 300.0,
+        **engine_args: Any,
+    ) -> AsyncLLM:
         """Start an engine-core child process with these args and attach to it."""
         from engine_core.addresses import default_ipc_address
 
@@ -110,8 +129,14 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come; aborts the engine request if the caller stops."""
         processed = self.processor.process_prompt(prompt, add_special_tokens)
-        async for out in self.generate_tokens(processed.prompt, processed.prompt_token_ids,
-                                              sampling_params, request_id, output_kind, priority):
+        async for out in self.generate_tokens(
+            processed.prompt,
+            processed.prompt_token_ids,
+            sampling_params,
+            request_id,
+            output_kind,
+            priority,
+        ):
             yield out
 
     async def generate_tokens(
@@ -130,16 +155,15 @@ class AsyncLLM:
         params, requests = self.processor.make_requests(
             request_id, ProcessedPrompt(prompt, prompt_token_ids), sampling_params, priority
         )
-        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer,
-                             output_kind)
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, self.tokenizer, output_kind
+        )
         queue: asyncio.Queue[tuple[int, RequestDelta | None]] = asyncio.Queue()
         child_ids = [r.request_id for r in requests]
         self._active[request_id] = (child_ids, queue)
         try:
             for index, request in enumerate(requests):
-                await self.client.add_request(
-                    request, lambda d, i=index: queue.put_nowait((i, d))
-                )
+                await self.client.add_request(request, _enqueue(queue, index))
             while not state.finished:
                 index, delta = await queue.get()
                 batch = [(index, delta)]
@@ -160,8 +184,9 @@ class AsyncLLM:
                     yield output
         finally:
             del self._active[request_id]
-            unfinished = [cid for i, cid in enumerate(child_ids)
-                          if state.samples[i].finish_reason is None]
+            unfinished = [
+                cid for i, cid in enumerate(child_ids) if state.samples[i].finish_reason is None
+            ]
             for cid in child_ids:
                 self.client.forget(cid)
             if unfinished and self.client.dead is None:

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+from collections.abc import Iterator
+
+import uvicorn
 
 
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("api server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", action="append", default=None,
-                   help="required bearer key (repeatable; also PAGODA_API_KEY)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="required bearer key (repeatable; also PAGODA_API_KEY)",
+    )
     g.add_argument("--chat-template", default=None, help="a jinja template file or string")
     g.add_argument("--uvicorn-log-level", default="warning")
 
@@ -41,9 +50,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(ns: argparse.Namespace) -> int:
-    import uvicorn
+class _Server(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT handled on our loop so that the exit code is 0."""
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+
+async def serve(ns: argparse.Namespace) -> int:
     from frontend.api.app import FrontendConfig, build_app
     from frontend.async_llm import AsyncLLM
     from frontend.engine_client import EngineDeadError
@@ -52,18 +70,30 @@ async def serve(ns: argparse.Namespace) -> int:
     keys = list(ns.api_key or [])
     if not keys and os.environ.get("PAGODA_API_KEY"):
         keys = [os.environ["PAGODA_API_KEY"]]
-    config = FrontendConfig(host=ns.host, port=ns.port, api_keys=tuple(keys),
-                            served_model_name=ns.served_model_name, chat_template=ns.chat_template)
+    config = FrontendConfig(
+        host=ns.host,
+        port=ns.port,
+        api_keys=tuple(keys),
+        served_model_name=ns.served_model_name,
+        chat_template=ns.chat_template,
+    )
     sock = bind_socket(ns.host, ns.port)
     try:
-        engine = await AsyncLLM.connect(ns.engine, chat_template=ns.chat_template,
-                                        timeout=ns.engine_timeout)
+        engine = await AsyncLLM.connect(
+            ns.engine, chat_template=ns.chat_template, timeout=ns.engine_timeout
+        )
     except EngineDeadError as e:
         log.error("%s", e)
         return 3
     app = build_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=ns.uvicorn_log_level, loop="none",
-                                           timeout_graceful_shutdown=5))
+    server = _Server(
+        uvicorn.Config(
+            app, log_level=ns.uvicorn_log_level, loop="none", timeout_graceful_shutdown=5
+        )
+    )
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.request_exit)
     print(f"api-server on http://{ns.host}:{ns.port} serving {engine.model_name}", flush=True)
     try:
         await server.serve(sockets=[sock])
@@ -76,11 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="api-server", description=__doc__)
     parser.add_argument("--engine", required=True, help="the engine core's address")
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--engine-timeout", type=float, default=300.0,
-                        help="seconds to wait for the engine core to answer")
+    parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the engine core to answer",
+    )
     add_frontend_args(parser)
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     import uvloop
 
     return uvloop.run(serve(ns))

@@ -75,8 +75,10 @@ class LLM:
             conversations = messages  # type: ignore[assignment]
         prompts: list[PromptType] = [
             self.tokenizer.apply_chat_template(
-                list(conv), add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools,
+                list(conv),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
                 chat_template=chat_template,
             )
             for conv in conversations
@@ -112,8 +114,14 @@ class LLM:
             request_id = str(next(self._ids))
             processed = self.processor.process_prompt(prompt, add_special_tokens)
             params, requests = self.processor.make_requests(request_id, processed, params)
-            state = RequestState(request_id, processed.prompt, processed.prompt_token_ids, params,
-                                 self.tokenizer, "final")
+            state = RequestState(
+                request_id,
+                processed.prompt,
+                processed.prompt_token_ids,
+                params,
+                self.tokenizer,
+                "final",
+            )
             pending.append((state, requests))
         for state, requests in pending:
             states[state.request_id] = state

@@ -109,8 +109,9 @@ class RequestState:
             self.first_token_time = time.monotonic()
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [self._to_position(lp) if lp else None
-                                    for lp in delta.prompt_logprobs]
+            self.prompt_logprobs = [
+                self._to_position(lp) if lp else None for lp in delta.prompt_logprobs
+            ]
         stop_terminated = delta.finish_reason == "stop" and delta.new_token_ids
         for i, token_id in enumerate(delta.new_token_ids):
             sample.token_ids.append(token_id)
@@ -188,8 +189,11 @@ class RequestState:
             if self.output_kind == "delta":
                 text = sample.text[sample.sent_text_len : visible]
                 token_ids = sample.token_ids[sample.sent_token_len :]
-                logprobs = (sample.logprobs[sample.sent_logprobs_len :]
-                            if sample.logprobs is not None else None)
+                logprobs = (
+                    sample.logprobs[sample.sent_logprobs_len :]
+                    if sample.logprobs is not None
+                    else None
+                )
                 finishing = sample.finish_reason is not None and not sample.finish_sent
                 if not (text or token_ids or finishing):
                     continue  # delta mode lists only the samples that changed
@@ -200,16 +204,28 @@ class RequestState:
                     sample.sent_logprobs_len = len(sample.logprobs)
                 sample.finish_sent = sample.finish_reason is not None
                 outputs.append(
-                    CompletionOutput(sample.index, text, token_ids, sample.cumulative_logprob,
-                                     logprobs, sample.finish_reason, sample.stop_reason)
+                    CompletionOutput(
+                        sample.index,
+                        text,
+                        token_ids,
+                        sample.cumulative_logprob,
+                        logprobs,
+                        sample.finish_reason,
+                        sample.stop_reason,
+                    )
                 )
             else:
                 any_new = True
                 outputs.append(
-                    CompletionOutput(sample.index, sample.text[:visible], list(sample.token_ids),
-                                     sample.cumulative_logprob,
-                                     list(sample.logprobs) if sample.logprobs is not None else None,
-                                     sample.finish_reason, sample.stop_reason)
+                    CompletionOutput(
+                        sample.index,
+                        sample.text[:visible],
+                        list(sample.token_ids),
+                        sample.cumulative_logprob,
+                        list(sample.logprobs) if sample.logprobs is not None else None,
+                        sample.finish_reason,
+                        sample.stop_reason,
+                    )
                 )
         if not any_new:
             return None

@@ -43,8 +43,11 @@ def _serve(ns: argparse.Namespace) -> int:
             for name, proc in children:
                 code = proc.poll()
                 if code is not None:
-                    print(f"pagoda: {name} exited with code {code}; stopping the others",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"pagoda: {name} exited with code {code}; stopping the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     exit_code = code or 1
                     stopping = True
                     break

@@ -38,15 +38,21 @@ class Processor:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
 
-    def process_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> ProcessedPrompt:
+    def process_prompt(
+        self, prompt: PromptType, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
         if isinstance(prompt, str):
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return ProcessedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
+                return ProcessedPrompt(
+                    prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+                )
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return self.process_prompt(prompt["prompt"], add_special_tokens)
-            raise SamplingParamsError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise SamplingParamsError(
+                "prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'"
+            )
         if isinstance(prompt, list):
             return ProcessedPrompt(None, self._check_ids(prompt))
         raise SamplingParamsError("prompt", f"unsupported prompt type {type(prompt).__name__}")

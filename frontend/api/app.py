@@ -44,12 +44,17 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
         keys = [k.encode() for k in config.api_keys]
 
         @app.middleware("http")
-        async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        async def _auth(
+            request: Request, call_next: Callable[[Request], Awaitable[Response]]
+        ) -> Response:
             if request.method == "OPTIONS" or request.url.path in _OPEN_PATHS:
                 return await call_next(request)
             header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else (
-                request.headers.get("x-api-key", ""))
+            token = (
+                header[7:]
+                if header.lower().startswith("bearer ")
+                else (request.headers.get("x-api-key", ""))
+            )
             if not any(hmac.compare_digest(token.encode(), k) for k in keys):
                 return APIError(401, "invalid or missing API key").response()
             return await call_next(request)
@@ -76,12 +81,21 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now(), "owned_by": "pagoda",
-             "root": engine.ready.model_path, "parent": None,
-             "max_model_len": engine.ready.max_model_len}
-            for name in served
-        ]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "pagoda",
+                    "root": engine.ready.model_path,
+                    "parent": None,
+                    "max_model_len": engine.ready.max_model_len,
+                }
+                for name in served
+            ],
+        }
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Any:

@@ -28,8 +28,14 @@ _TYPES = {
 class APIError(Exception):
     """An error to return to the client in the API's own shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, err_type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        err_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -38,8 +44,14 @@ class APIError(Exception):
         self.err_type = err_type or _TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)

@@ -34,11 +34,15 @@ def messages_to_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, "only text content parts are supported",
-                                   f"messages.{i}.content")
+                    raise APIError(
+                        400, "only text content parts are supported", f"messages.{i}.content"
+                    )
                 texts.append(part["text"])
             content = "\n".join(texts)
-        entry: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
+        entry: dict[str, Any] = {
+            "role": msg.role,
+            "content": content if content is not None else "",
+        }
         if msg.name is not None:
             entry["name"] = msg.name
         if msg.tool_calls is not None:
@@ -49,19 +53,26 @@ def messages_to_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_logprobs(engine: AsyncLLM, token_ids: list[int], logprobs: list[PositionLogprobs],
-                  num_top: int) -> list[dict[str, Any]]:
+def chat_logprobs(
+    engine: AsyncLLM, token_ids: list[int], logprobs: list[PositionLogprobs], num_top: int
+) -> list[dict[str, Any]]:
     content = []
     for token_id, position in zip(token_ids, logprobs, strict=True):
         chosen = position.get(token_id)
         text = engine.tokenizer.token_text(token_id)
-        top = []
+        top: list[dict[str, Any]] = []
         for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank or 0):
             if lp.rank is not None and 1 <= lp.rank <= num_top and len(top) < num_top:
                 t = lp.decoded_token or engine.tokenizer.token_text(tid)
                 top.append({"token": t, "logprob": lp.logprob, "bytes": list(t.encode())})
-        content.append({"token": text, "logprob": chosen.logprob if chosen else float("-inf"),
-                        "bytes": list(text.encode()), "top_logprobs": top})
+        content.append(
+            {
+                "token": text,
+                "logprob": chosen.logprob if chosen else float("-inf"),
+                "bytes": list(text.encode()),
+                "top_logprobs": top,
+            }
+        )
     return content
 
 
@@ -76,8 +87,9 @@ class ChatServer:
         if req.tool_choice not in (None, "none", "auto") and not req.tools:
             raise APIError(400, "tool_choice requires tools", "tool_choice")
         if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "response_format other than text is not supported yet",
-                           "response_format")
+            raise APIError(
+                400, "response_format other than text is not supported yet", "response_format"
+            )
         try:
             return self.engine.tokenizer.apply_chat_template(
                 messages_to_dicts(req),
@@ -104,48 +116,81 @@ class ChatServer:
         prompt_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
         request_id = new_id("chatcmpl")
         created = now()
-        stream = self.engine.generate_tokens(prompt, prompt_ids, params, request_id,
-                                             priority=req.priority)
+        stream = self.engine.generate_tokens(
+            prompt, prompt_ids, params, request_id, priority=req.priority
+        )
         if req.stream:
             # Validation errors must be a 400, not an in-stream error: start it first.
             first = await anext(stream)
-            events = self._stream(req, params, len(prompt_ids), first, stream, request_id,
-                                  created, model)
+            events = self._stream(
+                req, params, len(prompt_ids), first, stream, request_id, created, model
+            )
             return StreamingResponse(sse_with_errors(events), media_type="text/event-stream")
         final = await unless_disconnected(raw, _last(stream))
-        return JSONResponse(self._response(req, params, len(prompt_ids), final, request_id,
-                                           created, model))
+        return JSONResponse(
+            self._response(req, params, len(prompt_ids), final, request_id, created, model)
+        )
 
-    def _response(self, req: ChatCompletionRequest, params: SamplingParams, num_prompt: int,
-                  outputs: list[CompletionOutput], request_id: str, created: int,
-                  model: str) -> dict[str, Any]:
+    def _response(
+        self,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        num_prompt: int,
+        outputs: list[CompletionOutput],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> dict[str, Any]:
         choices = []
         for out in outputs:
             logprobs = None
             if req.logprobs and out.logprobs is not None:
-                logprobs = {"content": chat_logprobs(self.engine, out.token_ids, out.logprobs,
-                                                     req.top_logprobs or 0)}
-            choices.append({
-                "index": out.index,
-                "message": {"role": "assistant", "content": out.text, "tool_calls": []},
-                "logprobs": logprobs,
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-            })
+                logprobs = {
+                    "content": chat_logprobs(
+                        self.engine, out.token_ids, out.logprobs, req.top_logprobs or 0
+                    )
+                }
+            choices.append(
+                {
+                    "index": out.index,
+                    "message": {"role": "assistant", "content": out.text, "tool_calls": []},
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
         num_completion = sum(len(o.token_ids) for o in outputs)
         return {
-            "id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
             "choices": choices,
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                      "total_tokens": num_prompt + num_completion},
+            "usage": {
+                "prompt_tokens": num_prompt,
+                "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion,
+            },
         }
 
-    async def _stream(self, req: ChatCompletionRequest, params: SamplingParams, num_prompt: int,
-                      first: RequestOutput, rest: AsyncIterator[RequestOutput], request_id: str,
-                      created: int, model: str) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        num_prompt: int,
+        first: RequestOutput,
+        rest: AsyncIterator[RequestOutput],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": model}
+        base = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             body = dict(base, choices=choices, **extra)
@@ -154,8 +199,16 @@ class ChatServer:
             return sse(body)
 
         for i in range(params.n):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
         num_completion = 0
 
         async def all_outputs() -> AsyncIterator[RequestOutput]:
@@ -168,14 +221,32 @@ class ChatServer:
                 num_completion += len(o.token_ids)
                 logprobs = None
                 if req.logprobs and o.logprobs is not None:
-                    logprobs = {"content": chat_logprobs(self.engine, o.token_ids, o.logprobs,
-                                                         req.top_logprobs or 0)}
+                    logprobs = {
+                        "content": chat_logprobs(
+                            self.engine, o.token_ids, o.logprobs, req.top_logprobs or 0
+                        )
+                    }
                 delta = {"content": o.text} if o.text or o.finish_reason is None else {}
-                yield chunk([{"index": o.index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
+                yield chunk(
+                    [
+                        {
+                            "index": o.index,
+                            "delta": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": o.finish_reason,
+                            "stop_reason": o.stop_reason,
+                        }
+                    ]
+                )
         if include_usage:
-            yield chunk([], usage={"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                                   "total_tokens": num_prompt + num_completion})
+            yield chunk(
+                [],
+                usage={
+                    "prompt_tokens": num_prompt,
+                    "completion_tokens": num_completion,
+                    "total_tokens": num_prompt + num_completion,
+                },
+            )
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> list[CompletionOutput]:

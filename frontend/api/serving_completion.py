@@ -38,8 +38,11 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def completion_logprobs(
-    engine: AsyncLLM, token_ids: list[int], logprobs: list[PositionLogprobs | None],
-    num_top: int, text_offset: int,
+    engine: AsyncLLM,
+    token_ids: list[int],
+    logprobs: list[PositionLogprobs | None],
+    num_top: int,
+    text_offset: int,
 ) -> dict[str, Any]:
     """The legacy completions logprobs object."""
     tokens: list[str] = []
@@ -64,8 +67,12 @@ def completion_logprobs(
             if tid == token_id or (lp.rank is not None and lp.rank <= num_top):
                 entries.setdefault(lp.decoded_token or engine.tokenizer.token_text(tid), lp.logprob)
         top.append(entries)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 class CompletionServer:
@@ -95,23 +102,28 @@ class CompletionServer:
         request_id = new_id("cmpl")
         created = now()
         streams = [
-            self.engine.generate_tokens(p.prompt, p.prompt_token_ids, params,
-                                        f"{request_id}-{i}", priority=req.priority)
+            self.engine.generate_tokens(
+                p.prompt, p.prompt_token_ids, params, f"{request_id}-{i}", priority=req.priority
+            )
             for i, p in enumerate(prompts)
         ]
         if req.stream:
             events = self._stream(req, params, prompts, streams, request_id, created, model)
             return StreamingResponse(sse_with_errors(events), media_type="text/event-stream")
         finals, prompt_lps = await unless_disconnected(
-            raw, self._collect(streams, len(prompts), params.n))
+            raw, self._collect(streams, len(prompts), params.n)
+        )
         return JSONResponse(
-            self._response(req, params, prompts, finals, prompt_lps, request_id, created, model))
+            self._response(req, params, prompts, finals, prompt_lps, request_id, created, model)
+        )
 
-    async def _collect(self, streams: list[AsyncIterator[RequestOutput]], num_prompts: int,
-                       n: int) -> tuple[list[list[CompletionOutput]], dict[int, Any]]:
+    async def _collect(
+        self, streams: list[AsyncIterator[RequestOutput]], num_prompts: int, n: int
+    ) -> tuple[list[list[CompletionOutput]], dict[int, Any]]:
         # Accumulate deltas per prompt and sample.
         acc: list[list[CompletionOutput]] = [
-            [CompletionOutput(i, "", [], logprobs=None) for i in range(n)] for _ in range(num_prompts)
+            [CompletionOutput(i, "", [], logprobs=None) for i in range(n)]
+            for _ in range(num_prompts)
         ]
         prompt_lps: dict[int, Any] = {}
         async for prompt_idx, out in merge_streams(streams):
@@ -128,9 +140,17 @@ class CompletionServer:
                 target.stop_reason = o.stop_reason
         return acc, prompt_lps
 
-    def _response(self, req: CompletionRequest, params: SamplingParams,
-                  prompts: list[ProcessedPrompt], finals: list[list[CompletionOutput]],
-                  prompt_lps: dict[int, Any], request_id: str, created: int, model: str) -> dict[str, Any]:
+    def _response(
+        self,
+        req: CompletionRequest,
+        params: SamplingParams,
+        prompts: list[ProcessedPrompt],
+        finals: list[list[CompletionOutput]],
+        prompt_lps: dict[int, Any],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> dict[str, Any]:
         choices = []
         num_completion = 0
         for prompt_idx, (prompt, outputs) in enumerate(zip(prompts, finals, strict=True)):
@@ -143,30 +163,47 @@ class CompletionServer:
                     token_ids = list(out.token_ids)
                     positions: list[PositionLogprobs | None] = list(out.logprobs or [])
                     if req.echo:
-                        prompt_lps = prompt_lps.get(prompt_idx) or (
-                            [None] * len(prompt.prompt_token_ids))
+                        echo_lps: list[PositionLogprobs | None] = prompt_lps.get(
+                            prompt_idx
+                        ) or [None] * len(prompt.prompt_token_ids)
                         token_ids = prompt.prompt_token_ids + token_ids
-                        positions = list(prompt_lps) + positions
-                    logprobs = completion_logprobs(self.engine, token_ids, positions,
-                                                   req.logprobs, 0)
-                choices.append({
-                    "index": prompt_idx * params.n + out.index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                })
+                        positions = list(echo_lps) + positions
+                    logprobs = completion_logprobs(
+                        self.engine, token_ids, positions, req.logprobs, 0
+                    )
+                choices.append(
+                    {
+                        "index": prompt_idx * params.n + out.index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": out.finish_reason,
+                        "stop_reason": out.stop_reason,
+                    }
+                )
         num_prompt = sum(len(p.prompt_token_ids) for p in prompts)
         return {
-            "id": request_id, "object": "text_completion", "created": created, "model": model,
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
             "choices": choices,
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                      "total_tokens": num_prompt + num_completion},
+            "usage": {
+                "prompt_tokens": num_prompt,
+                "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion,
+            },
         }
 
-    async def _stream(self, req: CompletionRequest, params: SamplingParams,
-                      prompts: list[ProcessedPrompt], streams: list[AsyncIterator[RequestOutput]],
-                      request_id: str, created: int, model: str) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        params: SamplingParams,
+        prompts: list[ProcessedPrompt],
+        streams: list[AsyncIterator[RequestOutput]],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         num_completion = 0
         echoed: set[int] = set()
@@ -178,30 +215,52 @@ class CompletionServer:
                 if req.echo and index not in echoed:
                     echoed.add(index)
                     prompt = prompts[prompt_idx]
-                    text = (prompt.prompt or self.engine.tokenizer.decode(
-                        prompt.prompt_token_ids)) + text
+                    text = (
+                        prompt.prompt or self.engine.tokenizer.decode(prompt.prompt_token_ids)
+                    ) + text
                 num_completion += len(o.token_ids)
                 logprobs = None
                 if req.logprobs is not None and o.logprobs is not None:
                     key = (prompt_idx, o.index)
-                    logprobs = completion_logprobs(self.engine, o.token_ids, list(o.logprobs),
-                                                   req.logprobs, offsets.get(key, 0))
+                    logprobs = completion_logprobs(
+                        self.engine,
+                        o.token_ids,
+                        list(o.logprobs),
+                        req.logprobs,
+                        offsets.get(key, 0),
+                    )
                     offsets[key] = offsets.get(key, 0) + len(o.text)
                 chunk: dict[str, Any] = {
-                    "id": request_id, "object": "text_completion", "created": created,
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
                     "model": model,
-                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                 "finish_reason": o.finish_reason,
-                                 "stop_reason": o.stop_reason}],
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": o.finish_reason,
+                            "stop_reason": o.stop_reason,
+                        }
+                    ],
                 }
                 if include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
         if include_usage:
             num_prompt = sum(len(p.prompt_token_ids) for p in prompts)
-            yield sse({
-                "id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [],
-                "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                          "total_tokens": num_prompt + num_completion},
-            })
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": num_prompt,
+                        "completion_tokens": num_completion,
+                        "total_tokens": num_prompt + num_completion,
+                    },
+                }
+            )

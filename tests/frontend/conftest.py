@@ -18,8 +18,16 @@ from tests.frontend.servers import (
 
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # float32 so that greedy results can be compared exactly with the offline LLM.
-ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory-bytes", str(384 << 20),
-                "--max-model-len", "1024", "--max-num-seqs", "128")
+ENGINE_FLAGS = (
+    "--dtype",
+    "float32",
+    "--kv-cache-memory-bytes",
+    str(384 << 20),
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "128",
+)
 
 
 @dataclass

@@ -34,8 +34,9 @@ class Processes:
         log = Path(tempfile.mkstemp(prefix=f"pagoda-{name}-", suffix=".log")[1])
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(log, "wb") as f:
-            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+            )
         self.procs.append(proc)
         self.logs.append(log)
         return proc
@@ -66,8 +67,18 @@ def engine_argv(address: str, *extra: str) -> list[str]:
 
 
 def api_argv(address: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "frontend.cli", "--engine", address, "--port", str(port),
-            "--host", "127.0.0.1", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "frontend.cli",
+        "--engine",
+        address,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        *extra,
+    ]
 
 
 def wait_healthy(base_url: str, procs: Processes, timeout: float = 180.0) -> None:

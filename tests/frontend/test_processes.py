@@ -1,0 +1,168 @@
+"""Process topology: several API servers per engine, pagoda serve supervision, AsyncLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from frontend import AsyncLLM, SamplingParams
+from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME, Server
+from tests.frontend.servers import REPO, Processes, api_argv, free_port, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of Italy is", "def fibonacci(n):", "Three colours are", "Water boils at"]
+
+
+def test_http_greedy_equals_offline_llm(server: Server) -> None:
+    from frontend import LLM
+
+    c = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+    http_texts = [
+        c.completions.create(model=MODEL_NAME, prompt=p, temperature=0, max_tokens=24)
+        .choices[0]
+        .text
+        for p in PROMPTS
+    ]
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=1024)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == http_texts
+
+
+def test_second_api_server_attaches_to_running_engine(server: Server) -> None:
+    procs = Processes()
+    port = free_port()
+    procs.start(api_argv(server.address, port), "api2")
+    try:
+        base2 = f"http://127.0.0.1:{port}"
+        wait_healthy(base2, procs, timeout=60)
+
+        async def ask(base: str, i: int) -> str:
+            c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            r = await c.completions.create(
+                model=MODEL_NAME, prompt=PROMPTS[i % 4], temperature=0, max_tokens=12
+            )
+            return r.choices[0].text
+
+        async def both() -> tuple[list[str], list[str]]:
+            a = asyncio.gather(*(ask(server.base_url, i) for i in range(8)))
+            b = asyncio.gather(*(ask(base2, i) for i in range(8)))
+            return await asyncio.gather(a, b)  # type: ignore[return-value]
+
+        from_first, from_second = asyncio.run(both())
+        # Each server got exactly its own outputs: same prompts, same greedy texts.
+        assert from_first == from_second
+        assert len(set(from_first)) == 4
+    finally:
+        assert procs.stop() == [0]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _start_pagoda(port: int, *extra: str) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "frontend.pagoda_cli", "serve", "--port", str(port), *ENGINE_FLAGS]
+    return subprocess.Popen([*argv, *extra], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _wait_health(base: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("pagoda serve did not become healthy")
+
+
+def test_pagoda_serve_two_api_servers_and_sigterm_stops_all() -> None:
+    port = free_port()
+    proc = _start_pagoda(port, "--api-server-count", "2")
+    try:
+        _wait_health(f"http://127.0.0.1:{port}", proc)
+        children = _children(proc.pid)
+        assert len(children) == 3  # one engine core, two API servers
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        for p in PROMPTS:
+            assert c.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4).choices[0].text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        for pid in children:
+            assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_pagoda_serve_exits_nonzero_when_a_child_dies() -> None:
+    port = free_port()
+    proc = _start_pagoda(port)
+    try:
+        _wait_health(f"http://127.0.0.1:{port}", proc)
+        children = _children(proc.pid)
+        engine_pid = next(
+            pid for pid in children if b"engine_core" in open(f"/proc/{pid}/cmdline", "rb").read()
+        )
+        os.kill(engine_pid, signal.SIGKILL)
+        code = proc.wait(timeout=30)
+        assert code != 0
+        assert proc.stderr is not None
+        assert b"engine-core exited" in proc.stderr.read()
+        time.sleep(0.5)
+        assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in children)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_async_llm_streams_and_aborts(server: Server) -> None:
+    async def run() -> None:
+        engine = await AsyncLLM.connect(server.address)
+        try:
+            pieces = []
+            async for out in engine.generate(
+                "Once upon a time", SamplingParams(temperature=0, max_tokens=10), "a-1"
+            ):
+                pieces.append(out.outputs[0].text)
+                last = out
+            assert last.finished and len(pieces) >= 2
+            assert last.outputs[0].finish_reason in ("length", "stop")
+
+            params = SamplingParams(max_tokens=500, ignore_eos=True)
+            gen = engine.generate("Count:", params, "a-2")
+            await anext(gen)
+            await engine.abort("a-2")
+            outs = [o async for o in gen]
+            assert outs[-1].outputs[0].finish_reason == "abort"
+            for _ in range(50):
+                stats = await engine.get_stats()
+                if stats["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert stats["num_running"] == 0
+        finally:
+            await engine.client.close()
+
+    asyncio.run(run())
