@@ -1,0 +1,95 @@
+"""Offline throughput: Pagoda's LLM.generate and HF transformers on identical prompts.
+
+Workload W1 by default: 64 requests x 128 random prompt tokens -> 128 output
+tokens, greedy, ignore_eos, on the default model. Both systems run in this
+one invocation so that the printed ratio compares them on the same machine
+state. Prints a table and, with --json, writes the figures.
+
+    python scripts/bench_throughput.py                 # W1, both systems
+    python scripts/bench_throughput.py --no-hf         # Pagoda only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the low ids, where this vocabulary keeps its special tokens.
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def bench_pagoda(prompts: list[list[int]], output_len: int, dtype: str) -> dict[str, Any]:
+    from frontend import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(dtype=dtype, max_num_seqs=256, max_num_batched_tokens=4096)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_out,
+            "output_tok_s": num_out / elapsed, "load_s": load_s}
+
+
+def bench_hf(prompts: list[list[int]], output_len: int, dtype: str) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine_core.model_config import default_model_path
+
+    path = default_model_path()
+    directory, name = path.rsplit("/", 1)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch_dtype)
+    model.eval()
+    input_ids = torch.tensor(prompts)
+    mask = torch.ones_like(input_ids)
+    with torch.inference_mode():
+        model.generate(input_ids[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        elapsed = time.perf_counter() - t0
+    num_out = int((out.shape[1] - input_ids.shape[1]) * out.shape[0])
+    return {"system": f"hf-transformers-{dtype}", "elapsed_s": elapsed, "output_tokens": num_out,
+            "output_tok_s": num_out / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+
+    prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
+    results = [bench_pagoda(prompts, args.output_len, args.dtype)]
+    if args.hf:
+        results.append(bench_hf(prompts, args.output_len, args.dtype))
+    print(f"W: {args.num_prompts} x ({args.input_len} -> {args.output_len}), {args.dtype}")
+    for r in results:
+        print(f"{r['system']:>28}: {r['output_tok_s']:8.1f} output tok/s ({r['elapsed_s']:.1f} s)")
+    if args.hf:
+        ratio = results[0]["output_tok_s"] / results[1]["output_tok_s"]
+        print(f"{'pagoda / hf':>28}: {ratio:8.2f}x")
+        results.append({"ratio_pagoda_over_hf": ratio})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
