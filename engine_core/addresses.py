@@ -27,6 +27,8 @@ def split_address(base: str) -> tuple[str, str]:
 def default_ipc_address() -> str:
     """A fresh ipc address in a private (0700) runtime directory."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    directory = tempfile.mkdtemp(prefix="pagoda-", dir=runtime if runtime and os.path.isdir(runtime) else None)
+    directory = tempfile.mkdtemp(
+        prefix="pagoda-", dir=runtime if runtime and os.path.isdir(runtime) else None
+    )
     os.chmod(directory, 0o700)
     return f"ipc://{directory}/engine"

@@ -9,8 +9,11 @@ from engine_core.config import EngineConfig
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -19,8 +22,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache budget in bytes (default: min(4 GiB, 25%% of free memory) on CPU)")
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache budget in bytes (default: min(4 GiB, 25%% of free memory) on CPU)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
 

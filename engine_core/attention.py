@@ -68,8 +68,13 @@ def paged_attention(
     nd = meta.num_decode_tokens
     if nd:
         out[:nd] = decode_attention(
-            query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-            meta.decode_max_len, scale,
+            query[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.decode_max_len,
+            scale,
         )
     for seq in meta.prefills:
         q = query[seq.query_start : seq.query_start + seq.query_len]
@@ -80,9 +85,7 @@ def paged_attention(
         else:
             k = k_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]
             v = v_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]
-        out[seq.query_start : seq.query_start + seq.query_len] = prefill_attention(
-            q, k, v, scale
-        )
+        out[seq.query_start : seq.query_start + seq.query_len] = prefill_attention(q, k, v, scale)
     return out
 
 

@@ -186,7 +186,9 @@ class BlockManager:
                 held[block_id] = held.get(block_id, 0) + 1
         for block in self.blocks:
             expected = held.get(block.block_id, 0)
-            assert block.ref_cnt == expected, f"block {block.block_id} ref {block.ref_cnt} != {expected}"
+            assert block.ref_cnt == expected, (
+                f"block {block.block_id} ref {block.ref_cnt} != {expected}"
+            )
             assert (block.ref_cnt == 0) == (block.block_id in self.free_blocks), (
                 f"block {block.block_id} free-list membership disagrees with ref_cnt"
             )

@@ -14,11 +14,16 @@ from engine_core.args import add_engine_args, engine_config_from_args
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="engine-core", description=__doc__)
     add_engine_args(parser)
-    parser.add_argument("--address", default=None,
-                        help="ipc:///path or tcp://host:port (default: ipc in a private runtime dir)")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="ipc:///path or tcp://host:port (default: ipc in a private runtime dir)",
+    )
     parser.add_argument("--log-level", default="info")
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     log = logging.getLogger("engine-core")
     address = ns.address or default_ipc_address()
     try:

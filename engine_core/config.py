@@ -29,7 +29,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1:

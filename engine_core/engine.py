@@ -75,8 +75,13 @@ class EngineCore:
         )
         logger.info(
             "engine %s ready in %.1f s: %s, dtype %s, %d KV blocks of %d, max_model_len %d",
-            self.engine_id, time.monotonic() - started, model_path, self.executor.dtype_name,
-            num_blocks, config.block_size, max_model_len,
+            self.engine_id,
+            time.monotonic() - started,
+            model_path,
+            self.executor.dtype_name,
+            num_blocks,
+            config.block_size,
+            max_model_len,
         )
 
     def _max_model_len(self, num_blocks: int) -> int:

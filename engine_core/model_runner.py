@@ -99,8 +99,10 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         # Zeros, not garbage: masked positions still multiply into the output.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(mc.num_layers)
         ]
         return int(num_blocks)
@@ -137,7 +139,7 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
             params=p,
             generator=generator,
-            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
+            output_token_ids=list(new.token_ids[new.num_prompt_tokens :]),
         )
 
     @torch.inference_mode()
@@ -181,7 +183,9 @@ class ModelRunner:
             else:
                 num_blocks = -(-end // bs)
                 prefills.append(
-                    PrefillSeq(flat_start, n, end, torch.tensor(blocks[:num_blocks], dtype=torch.long))
+                    PrefillSeq(
+                        flat_start, n, end, torch.tensor(blocks[:num_blocks], dtype=torch.long)
+                    )
                 )
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 last = min(end, state.num_prompt_tokens - 1)

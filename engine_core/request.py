@@ -50,8 +50,9 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
-        # Prompt logprobs computed so far (filled chunk by chunk).
-        self.prompt_logprobs: list[Logprobs | None] = []
+        # Prompt logprobs computed so far (filled chunk by chunk); nothing
+        # predicts the first prompt token.
+        self.prompt_logprobs: list[Logprobs | None] = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

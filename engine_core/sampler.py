@@ -28,7 +28,9 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[Logprobs | None]]:
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[list[int], list[Logprobs | None]]:
     """logits: float32 [batch, vocab] → (token id per row, logprobs per row)."""
     batch, vocab = logits.shape
     want_logprobs = [r.params.logprobs for r in rows]

@@ -3,9 +3,9 @@
 Imports no torch. Each step has a token budget (`max_num_batched_tokens`)
 and a cap on sequences (`max_num_seqs`). Running requests are served first,
 then waiting ones; a prompt longer than the budget left is chunked. When
-blocks run out, the lowest-priority, newest running request is preempted:
-its blocks are freed and it is recomputed later (prefix caching usually
-gives most of them back).
+blocks run out, the lowest-priority, newest running request not yet
+scheduled in this step is preempted: its blocks are freed and it is
+recomputed later (prefix caching usually gives most of them back).
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_old_blocks = len(self.block_manager.get_block_ids(request.request_id))
             while not self.block_manager.allocate_slots(request, num_new):
-                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                # Only requests not yet in this step's plan may go: one that is
+                # already planned would reach the runner after being forgotten.
+                victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
                 self._preempt(victim)
                 preempted_now = True
                 if victim is request:
@@ -156,11 +158,13 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             chunk = result.prompt_logprobs.get(request_id)
             if chunk is not None:
-                start, logprobs = chunk
-                if not request.prompt_logprobs:
-                    request.prompt_logprobs.append(None)  # the first token has none
-                if start + 1 == len(request.prompt_logprobs):
-                    request.prompt_logprobs.extend(logprobs)
+                start, chunk_logprobs = chunk
+                # The chunk covers positions start + 1 .. start + len(chunk). A
+                # request recomputed after preemption sees positions again, in
+                # chunks that need not line up with the first pass: keep the new.
+                num_known = len(request.prompt_logprobs) - (start + 1)
+                assert num_known >= 0, "prompt logprobs skipped a position"
+                request.prompt_logprobs.extend(chunk_logprobs[num_known:])
             token_id = result.sampled_token_ids.get(request_id)
             if token_id is None:
                 continue  # a prompt chunk that does not reach the end yet

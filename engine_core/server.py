@@ -107,7 +107,9 @@ class EngineCoreServer:
         if isinstance(msg, AddRequest):
             error = self.engine.add_request(msg, client_id)
             if error is not None:
-                self.output_queue.put((identity, Outputs([error], self.engine.stats(), time.time())))
+                self.output_queue.put(
+                    (identity, Outputs([error], self.engine.stats(), time.time()))
+                )
         elif isinstance(msg, Abort):
             self.engine.abort_requests(msg.request_ids)
         elif isinstance(msg, UtilityCall):

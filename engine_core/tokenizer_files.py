@@ -30,7 +30,8 @@ def tokenizer_dir_for(model_path: str) -> str:
     if not model_path.endswith(".gguf"):
         return model_path
     stat = os.stat(model_path)
-    key = hashlib.sha256(f"{model_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    fingerprint = f"{model_path}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
     target = cache_root() / "tokenizers" / key
     if (target / "tokenizer.json").is_file():
         return str(target)
@@ -41,7 +42,9 @@ def tokenizer_dir_for(model_path: str) -> str:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # noqa: BLE001 - transformers raises many types
-        raise ModelLoadError(f"{model_path}: cannot read the tokenizer from GGUF metadata: {e}") from e
+        raise ModelLoadError(
+            f"{model_path}: cannot read the tokenizer from GGUF metadata: {e}"
+        ) from e
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tokenizer.save_pretrained(str(tmp))
     os.makedirs(target.parent, exist_ok=True)

@@ -90,7 +90,9 @@ def _load_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
         try:
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         except Exception as e:  # noqa: BLE001
-            raise ModelLoadError(f"{config.path}: tensor {tensor.name}: cannot dequantize: {e}") from e
+            raise ModelLoadError(
+                f"{config.path}: tensor {tensor.name}: cannot dequantize: {e}"
+            ) from e
         if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             array = _undo_rotary_permute(array, heads)

@@ -65,7 +65,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             f"temperature must be in [0, 100], got {self.temperature}",
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        _check(
+            self.top_k >= 0, "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}"
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         _check(
             -2.0 <= self.presence_penalty <= 2.0,
@@ -94,7 +96,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 "max_tokens",
                 f"max_tokens must be at least 1, got {self.max_tokens}",
             )
-        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(
+            self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"
+        )
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,

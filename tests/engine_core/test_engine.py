@@ -1,0 +1,126 @@
+"""EngineCore behaviour around the model: stops, aborts, limits, request errors.
+
+A tiny random-weight Llama; greedy outputs of the same engine serve as the
+baseline (their parity with HF is test_parity's job).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_core.config import EngineConfig
+from engine_core.engine import EngineCore
+from protocol.messages import AddRequest
+from protocol.sampling_params import SamplingParams
+from tests.engine_core.helpers import NUM_THREADS, greedy_params, random_prompts, run_to_completion
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models: dict[str, Path]) -> EngineCore:
+    config = EngineConfig(
+        model=str(tiny_models["llama"]),
+        dtype="float32",
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=64,
+        num_threads=NUM_THREADS,
+    )
+    return EngineCore(config)
+
+
+@pytest.fixture(scope="module")
+def prompt(engine: EngineCore) -> list[int]:
+    return random_prompts(21, 1, engine.info.vocab_size, 12, 12)[0]
+
+
+@pytest.fixture(scope="module")
+def baseline(engine: EngineCore, prompt: list[int]) -> list[int]:
+    run = run_to_completion(engine, [AddRequest("base", prompt, greedy_params(20), 0.0)])
+    return run.records["base"].token_ids
+
+
+def test_stop_token_ends_the_request(
+    engine: EngineCore, prompt: list[int], baseline: list[int]
+) -> None:
+    stop = baseline[5]
+    first = baseline.index(stop)
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop])
+    run = run_to_completion(engine, [AddRequest("s", prompt, params, 0.0)])
+    record = run.records["s"]
+    assert record.token_ids == baseline[: first + 1]  # the stop token is included
+    assert record.finish_reason == "stop"
+
+
+def test_min_tokens_holds_back_stop_tokens(
+    engine: EngineCore, prompt: list[int], baseline: list[int]
+) -> None:
+    stop = baseline[1]
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop], min_tokens=8)
+    run = run_to_completion(engine, [AddRequest("m", prompt, params, 0.0)])
+    tokens = run.records["m"].token_ids
+    assert len(tokens) >= 8
+    assert stop not in tokens[:8]
+    assert tokens[:1] == baseline[:1]  # nothing changes before the stop token is due
+
+
+def test_max_model_len_caps_the_output(engine: EngineCore) -> None:
+    prompt = random_prompts(22, 1, engine.info.vocab_size, 60, 60)[0]
+    run = run_to_completion(engine, [AddRequest("long", prompt, greedy_params(100), 0.0)])
+    assert len(run.records["long"].token_ids) == 64 - 60
+    assert run.records["long"].finish_reason == "length"
+
+
+def test_abort_mid_run_frees_blocks_and_spares_the_others(
+    engine: EngineCore, prompt: list[int], baseline: list[int]
+) -> None:
+    other = random_prompts(23, 1, engine.info.vocab_size, 30, 30)[0]
+    engine.add_request(AddRequest("keep", prompt, greedy_params(20), 0.0))
+    engine.add_request(AddRequest("drop", other, greedy_params(20), 0.0))
+    kept: list[int] = []
+    for _ in range(3):
+        kept += [t for r, d in engine.step() if r.request_id == "keep" for t in d.new_token_ids]
+    bm = engine.scheduler.block_manager
+    held = len(bm.get_block_ids("drop"))
+    free_before = bm.num_free_blocks
+    engine.abort_requests(["drop"])
+    assert held > 0 and bm.num_free_blocks == free_before + held
+    bm.check_invariants()
+    while engine.has_work():
+        for request, delta in engine.step():
+            assert request.request_id == "keep"
+            kept += delta.new_token_ids
+        bm.check_invariants()
+    assert kept == baseline
+    assert bm.num_free_blocks == bm.num_blocks
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize(
+    ("prompt_ids", "params", "message"),
+    [
+        ([], SamplingParams(), "empty"),
+        ([5, 1000], SamplingParams(), "prompt token ids"),
+        ([-1], SamplingParams(), "prompt token ids"),
+        (list(range(64)), SamplingParams(), "maximum context length"),
+        ([5], SamplingParams(temperature=-1.0), "temperature"),
+        ([5], SamplingParams(stop_token_ids=[1000]), "stop_token_ids"),
+    ],
+)
+def test_bad_requests_get_an_error_delta(
+    engine: EngineCore, prompt_ids: list[int], params: SamplingParams, message: str
+) -> None:
+    delta = engine.add_request(AddRequest("bad", prompt_ids, params, 0.0))
+    assert delta is not None
+    assert delta.finish_reason == "error"
+    assert delta.error is not None and message in delta.error
+    assert not engine.has_work()
+
+
+def test_duplicate_request_id_is_refused(engine: EngineCore, prompt: list[int]) -> None:
+    assert engine.add_request(AddRequest("dup", prompt, greedy_params(2), 0.0)) is None
+    delta = engine.add_request(AddRequest("dup", prompt, greedy_params(2), 0.0))
+    assert delta is not None and delta.error is not None and "already in use" in delta.error
+    while engine.has_work():
+        engine.step()
