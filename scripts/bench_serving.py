@@ -34,10 +34,23 @@ class Result:
     error: str = ""
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                      output_len: int, api_key: str | None) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+async def one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    api_key: str | None,
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.perf_counter()
     last = start
@@ -73,14 +86,19 @@ def summarize(values: list[float]) -> dict[str, float]:
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-    return {"mean": statistics.fmean(values) * 1000, "median": statistics.median(values) * 1000,
-            "p99": p99 * 1000}
+    return {
+        "mean": statistics.fmean(values) * 1000,
+        "median": statistics.median(values) * 1000,
+        "p99": p99 * 1000,
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, args.vocab_size) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]
+    prompts = [
+        [rng.randrange(100, args.vocab_size) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
     url = args.base_url.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=args.max_concurrency + 8)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
@@ -106,21 +124,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     total_out = sum(r.output_tokens for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     report = {
-        "model": model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "max_concurrency": args.max_concurrency,
-        "request_rate": args.request_rate, "duration_s": duration, "completed": len(ok),
+        "model": model,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate,
+        "duration_s": duration,
+        "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
-        "ttft_ms": summarize([r.ttft for r in ok]), "tpot_ms": summarize(tpots),
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_out / duration,
+        "ttft_ms": summarize([r.ttft for r in ok]),
+        "tpot_ms": summarize(tpots),
         "itl_ms": summarize([x for r in ok for x in r.itls]),
     }
     return report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--num-prompts", type=int, default=128)
@@ -135,14 +161,20 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args()
     report = asyncio.run(run(args))
-    print(f"completed {report['completed']}/{args.num_prompts} in {report['duration_s']:.1f} s "
-          f"(concurrency {args.max_concurrency})")
-    print(f"request throughput {report['request_throughput']:.2f} req/s, "
-          f"output throughput {report['output_throughput']:.1f} tok/s")
+    print(
+        f"completed {report['completed']}/{args.num_prompts} in {report['duration_s']:.1f} s "
+        f"(concurrency {args.max_concurrency})"
+    )
+    print(
+        f"request throughput {report['request_throughput']:.2f} req/s, "
+        f"output throughput {report['output_throughput']:.1f} tok/s"
+    )
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         s = report[key]
-        print(f"{key[:-3].upper():>5} mean {s['mean']:8.1f} ms  median {s['median']:8.1f} ms  "
-              f"p99 {s['p99']:8.1f} ms")
+        print(
+            f"{key[:-3].upper():>5} mean {s['mean']:8.1f} ms  median {s['median']:8.1f} ms  "
+            f"p99 {s['p99']:8.1f} ms"
+        )
     if report["errors"]:
         print("errors:", report["errors"])
     if args.json:

@@ -36,8 +36,13 @@ def bench_pagoda(prompts: list[list[int]], output_len: int, dtype: str) -> dict[
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"system": "pagoda", "elapsed_s": elapsed, "output_tokens": num_out,
-            "output_tok_s": num_out / elapsed, "load_s": load_s}
+    return {
+        "system": "pagoda",
+        "elapsed_s": elapsed,
+        "output_tokens": num_out,
+        "output_tok_s": num_out / elapsed,
+        "load_s": load_s,
+    }
 
 
 def bench_hf(prompts: list[list[int]], output_len: int, dtype: str) -> dict[str, Any]:
@@ -56,16 +61,28 @@ def bench_hf(prompts: list[list[int]], output_len: int, dtype: str) -> dict[str,
     with torch.inference_mode():
         model.generate(input_ids[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=False)
         t0 = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
         elapsed = time.perf_counter() - t0
     num_out = int((out.shape[1] - input_ids.shape[1]) * out.shape[0])
-    return {"system": f"hf-transformers-{dtype}", "elapsed_s": elapsed, "output_tokens": num_out,
-            "output_tok_s": num_out / elapsed}
+    return {
+        "system": f"hf-transformers-{dtype}",
+        "elapsed_s": elapsed,
+        "output_tokens": num_out,
+        "output_tok_s": num_out / elapsed,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

@@ -163,9 +163,9 @@ class CompletionServer:
                     token_ids = list(out.token_ids)
                     positions: list[PositionLogprobs | None] = list(out.logprobs or [])
                     if req.echo:
-                        echo_lps: list[PositionLogprobs | None] = prompt_lps.get(
-                            prompt_idx
-                        ) or [None] * len(prompt.prompt_token_ids)
+                        echo_lps: list[PositionLogprobs | None] = prompt_lps.get(prompt_idx) or [
+                            None
+                        ] * len(prompt.prompt_token_ids)
                         token_ids = prompt.prompt_token_ids + token_ids
                         positions = list(echo_lps) + positions
                     logprobs = completion_logprobs(

@@ -1,0 +1,111 @@
+"""Compiled CPU kernels, built once per machine with torch's C++ extension loader.
+
+The build lands under the Pagoda cache directory, keyed by the source, the
+torch version and the CPU's instruction-set flags (it is compiled with
+-march=native). If no compiler is available the callers fall back to their
+plain-torch paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build_dir() -> Path:
+    from engine_core.envs import cache_root
+
+    key = hashlib.sha256(
+        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
+    return cache_root() / "torch_extensions" / key
+
+
+def load_cpu_ops() -> ModuleType | None:
+    """The compiled module, or None when it cannot be built here."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is not None or _failed:
+            return _module
+        try:
+            from torch.utils.cpp_extension import load
+
+            build_dir = _build_dir()
+            os.makedirs(build_dir, exist_ok=True)
+            _module = load(
+                name="pagoda_cpu_ops",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 - any build failure means: use torch
+            logger.warning("compiled CPU kernels unavailable (%s); using plain torch", e)
+            _failed = True
+    return _module
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [batch, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks] int64
+    seq_lens: torch.Tensor,  # [batch] int64
+    scale: float,
+) -> torch.Tensor:
+    """Launcher: checks shapes, dtypes and layout, then runs the compiled kernel."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("expected query [B, H, D] and caches [NB, BS, KVH, D]")
+    batch, heads, head_dim = query.shape
+    if k_cache.shape[3] != head_dim or heads % k_cache.shape[2] != 0:
+        raise ValueError("head_dim mismatch or heads not a multiple of kv_heads")
+    if query.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError("query and caches must share a dtype")
+    if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+        raise ValueError("block_tables and seq_lens must be int64")
+    if block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError("block_tables / seq_lens do not match the batch")
+    if query.device.type != "cpu":
+        raise ValueError("this kernel runs on the CPU")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    ops.paged_decode_attention(
+        out,
+        query,
+        k_cache.contiguous(),
+        v_cache.contiguous(),
+        block_tables.contiguous(),
+        seq_lens.contiguous(),
+        float(scale),
+    )
+    return out
