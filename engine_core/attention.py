@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
+
 
 @dataclass
 class PrefillSeq:
@@ -38,6 +40,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decode] int64
     decode_max_len: int
     prefills: list[PrefillSeq]
+    # Decode attention by the compiled CPU kernel (kernels/cpu_ops.py) instead
+    # of the gather-and-matmul torch path.
+    compiled_decode: bool = False
 
 
 def write_kv(
@@ -66,7 +71,11 @@ def paged_attention(
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(query)
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and meta.compiled_decode:
+        out[:nd] = cpu_ops.paged_decode_attention(
+            query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+    elif nd:
         out[:nd] = decode_attention(
             query[:nd],
             k_cache,
@@ -112,6 +121,8 @@ def decode_attention(
     positions = torch.arange(max_len, device=query.device)
     pad = positions[None, :] >= seq_lens[:, None]  # [batch, len]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    # Padded slots may hold anything (even NaN); 0 * NaN would leak into the sum.
+    v = v.masked_fill(pad[:, :, None, None], 0.0)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v.transpose(1, 2))  # [batch, kv_heads, group, head_dim]
     return out.reshape(batch, heads, head_dim)

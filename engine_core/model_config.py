@@ -6,6 +6,7 @@ one frozen description that the model code and the runner share.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -100,9 +101,22 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model_config(path: str) -> ModelConfig:
-    if path.endswith(".gguf"):
-        return _config_from_gguf(path)
-    return _config_from_hf_dir(path)
+    if not path.endswith(".gguf"):
+        return _config_from_hf_dir(path)
+    from engine_core import gguf_cache
+
+    cached = gguf_cache.load_cached_config(path)
+    if cached is not None:
+        try:
+            rope = cached.get("rope_scaling")
+            cached["rope_scaling"] = tuple(tuple(kv) for kv in rope) if rope else None
+            cached["eos_token_ids"] = tuple(cached["eos_token_ids"])
+            return ModelConfig(**{**cached, "path": path})
+        except (TypeError, KeyError):
+            pass  # an old or damaged cache entry: read the file again
+    config = _config_from_gguf(path)
+    gguf_cache.store_config(path, config)
+    return config
 
 
 def _config_from_hf_dir(path: str) -> ModelConfig:
@@ -205,14 +219,20 @@ def _config_from_gguf(path: str) -> ModelConfig:
     )
 
 
-def read_gguf_metadata(path: str) -> dict[str, Any]:
-    """Scalar metadata of a GGUF file (plus a few derived facts)."""
+@functools.lru_cache(maxsize=1)
+def open_gguf(path: str) -> Any:
+    """A GGUFReader, parsed once: parsing a large vocabulary takes seconds."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises many types on bad files
         raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from e
+
+
+def read_gguf_metadata(path: str) -> dict[str, Any]:
+    """Scalar metadata of a GGUF file (plus a few derived facts)."""
+    reader = open_gguf(path)
     fields: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):

@@ -21,6 +21,7 @@ from engine_core.models.llama import LlamaModel
 from engine_core.plan import NewRequestData, SchedulePlan, StepResult
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
 from engine_core.weights import load_weights
+from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,12 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids = model_config.eos_token_ids
+        # Built (once per machine, then cached) before serving, not on the first step.
+        self.compiled_decode = (
+            self.device.type == "cpu"
+            and model_config.head_dim in SUPPORTED_HEAD_DIMS
+            and load_cpu_ops() is not None
+        )
 
     # ------------------------------------------------------------- KV cache
 
@@ -97,11 +104,13 @@ class ModelRunner:
         num_blocks = max(budget // self.kv_bytes_per_block(), 1)
         mc = self.model_config
         shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        # Zeros, not garbage: masked positions still multiply into the output.
+        # Uninitialized: a multi-GiB memset would cost seconds at start-up, and
+        # attention never reads a slot before it is written (the torch
+        # fallback zeroes the padded values it gathers).
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(mc.num_layers)
         ]
@@ -206,6 +215,7 @@ class ModelRunner:
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
             decode_max_len=max(decode_lens, default=0),
             prefills=prefills,
+            compiled_decode=self.compiled_decode,
         )
         hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -13,16 +13,10 @@ import logging
 import os
 from pathlib import Path
 
+from engine_core.envs import cache_root
 from engine_core.model_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    base = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda"
-    )
-    return Path(base)
 
 
 def tokenizer_dir_for(model_path: str) -> str:

@@ -7,13 +7,14 @@ dequantized to float32 here and cast to the engine dtype by the caller.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine_core.model_config import ModelConfig, ModelLoadError
+from engine_core.model_config import ModelConfig, ModelLoadError, open_gguf
 
 _GGUF_NAMES = {
     "token_embd": "embed_tokens",
@@ -74,13 +75,31 @@ def _hf_short_name(name: str) -> str | None:
 
 
 def _load_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
-    import gguf
+    from safetensors.torch import load_file, save_file
+
+    from engine_core import gguf_cache
+
+    cached = gguf_cache.cached_weights_file(config.path)
+    if cached is not None:
+        try:
+            return load_file(str(cached))
+        except Exception:  # noqa: BLE001 - a damaged cache entry: dequantize again
+            pass
+    weights = _dequantize_gguf(config)
+    target = gguf_cache.weights_file_to_write(config.path)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    try:
+        save_file(weights, str(tmp))
+        os.replace(tmp, target)
+    except OSError:
+        pass  # a read-only cache only costs the next start its time
+    return weights
+
+
+def _dequantize_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
-    try:
-        reader = gguf.GGUFReader(config.path)
-    except Exception as e:  # noqa: BLE001 - the gguf package raises many types
-        raise ModelLoadError(f"{config.path}: not a readable GGUF file: {e}") from e
+    reader = open_gguf(config.path)
     permute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -62,14 +61,16 @@ class _Server(uvicorn.Server):
 
 
 async def serve(ns: argparse.Namespace) -> int:
+    from engine_core.envs import api_key_from_env
     from frontend.api.app import FrontendConfig, build_app
     from frontend.async_llm import AsyncLLM
     from frontend.engine_client import EngineDeadError
 
     log = logging.getLogger("api-server")
     keys = list(ns.api_key or [])
-    if not keys and os.environ.get("PAGODA_API_KEY"):
-        keys = [os.environ["PAGODA_API_KEY"]]
+    env_key = api_key_from_env()
+    if not keys and env_key:
+        keys = [env_key]
     config = FrontendConfig(
         host=ns.host,
         port=ns.port,

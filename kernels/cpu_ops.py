@@ -72,6 +72,9 @@ def load_cpu_ops() -> ModuleType | None:
     return _module
 
 
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # compiled instantiations in the .cpp
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [batch, heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -89,6 +92,8 @@ def paged_decode_attention(
     batch, heads, head_dim = query.shape
     if k_cache.shape[3] != head_dim or heads % k_cache.shape[2] != 0:
         raise ValueError("head_dim mismatch or heads not a multiple of kv_heads")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if query.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
         raise ValueError("query and caches must share a dtype")
     if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:

@@ -10,12 +10,29 @@ batch, with attention described by AttentionMetadata.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine_core.attention import AttentionMetadata, paged_attention
 from engine_core.model_config import ModelConfig, ModelLoadError
+from kernels.linear import Linear
+
+
+@dataclass
+class DecoderLayer:
+    """One transformer block's weights (projections fused and maybe packed)."""
+
+    input_layernorm: torch.Tensor
+    qkv_proj: Linear
+    o_proj: Linear
+    post_attention_layernorm: torch.Tensor
+    gate_up_proj: Linear
+    down_proj: Linear
+    q_norm: torch.Tensor | None = None  # Qwen3
+    k_norm: torch.Tensor | None = None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -72,47 +89,47 @@ class LlamaModel:
             )
         self.norm = take("norm.weight")
         if "lm_head.weight" in weights:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = Linear(take("lm_head.weight"))
         elif config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
+            self.lm_head = Linear(self.embed_tokens)
         else:
             raise ModelLoadError(f"{config.path}: weight lm_head.weight is missing")
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"layers.{i}."
-            layer = {
-                "input_layernorm": take(p + "input_layernorm.weight"),
-                "qkv": torch.cat(
-                    [
-                        take(p + "q_proj.weight"),
-                        take(p + "k_proj.weight"),
-                        take(p + "v_proj.weight"),
-                    ]
-                ),
-                "o_proj": take(p + "o_proj.weight"),
-                "post_attention_layernorm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
-                "down_proj": take(p + "down_proj.weight"),
-            }
-            expected_qkv = (self.q_size + 2 * self.kv_size, config.hidden_size)
-            if tuple(layer["qkv"].shape) != expected_qkv:
-                raise ModelLoadError(
-                    f"{config.path}: layer {i} q/k/v shapes {tuple(layer['qkv'].shape)} do not "
-                    f"match the config {expected_qkv}"
-                )
-            if config.attention_bias:
-                layer["qkv_bias"] = torch.cat(
-                    [take(p + "q_proj.bias"), take(p + "k_proj.bias"), take(p + "v_proj.bias")]
-                )
-            if config.qk_norm:
-                layer["q_norm"] = take(p + "q_norm.weight")
-                layer["k_norm"] = take(p + "k_norm.weight")
-            self.layers.append(layer)
+        self.layers = [self._load_layer(i, take) for i in range(config.num_layers)]
         inv_freq = rope_inv_freq(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
         self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
         self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def _load_layer(self, i: int, take: Callable[[str], torch.Tensor]) -> DecoderLayer:
+        cfg = self.config
+        p = f"layers.{i}."
+        qkv = torch.cat(
+            [take(p + "q_proj.weight"), take(p + "k_proj.weight"), take(p + "v_proj.weight")]
+        )
+        expected_qkv = (self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        if tuple(qkv.shape) != expected_qkv:
+            raise ModelLoadError(
+                f"{cfg.path}: layer {i} q/k/v shapes {tuple(qkv.shape)} do not "
+                f"match the config {expected_qkv}"
+            )
+        qkv_bias = None
+        if cfg.attention_bias:
+            qkv_bias = torch.cat(
+                [take(p + "q_proj.bias"), take(p + "k_proj.bias"), take(p + "v_proj.bias")]
+            )
+        return DecoderLayer(
+            input_layernorm=take(p + "input_layernorm.weight"),
+            qkv_proj=Linear(qkv, qkv_bias),
+            o_proj=Linear(take(p + "o_proj.weight")),
+            post_attention_layernorm=take(p + "post_attention_layernorm.weight"),
+            gate_up_proj=Linear(
+                torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])
+            ),
+            down_proj=Linear(take(p + "down_proj.weight")),
+            q_norm=take(p + "q_norm.weight") if cfg.qk_norm else None,
+            k_norm=take(p + "k_norm.weight") if cfg.qk_norm else None,
+        )
 
     # ------------------------------------------------------------------ forward
 
@@ -130,27 +147,27 @@ class LlamaModel:
         sin = self.rope_sin[positions][:, None, :]
         residual = hidden
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = self._rms_norm(residual, layer["input_layernorm"])
-            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))  # [num_tokens, q + 2kv]
+            x = self._rms_norm(residual, layer.input_layernorm)
+            qkv = layer.qkv_proj(x)  # [num_tokens, q + 2kv]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = self._rms_norm(q, layer["q_norm"])
-                k = self._rms_norm(k, layer["k_norm"])
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = self._rms_norm(q, layer.q_norm)
+                k = self._rms_norm(k, layer.k_norm)
             q = _apply_rope(q, cos, sin)
             k = _apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
-            residual = residual + F.linear(attn.flatten(1), layer["o_proj"])
-            x = self._rms_norm(residual, layer["post_attention_layernorm"])
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            residual = residual + F.linear(F.silu(gate) * up, layer["down_proj"])
+            residual = residual + layer.o_proj(attn.flatten(1))
+            x = self._rms_norm(residual, layer.post_attention_layernorm)
+            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+            residual = residual + layer.down_proj(F.silu(gate) * up)
         return self._rms_norm(residual, self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num, hidden] → float32 logits [num, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As HF does: normalize in float32, cast back, then scale.

@@ -5,16 +5,39 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
+inline float to_f(float x) { return x; }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+inline float to_f(c10::BFloat16 x) {
+  // bfloat16 is the top half of a float32: a shift the compiler vectorizes.
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
-template <typename scalar_t>
+template <typename scalar_t, int D>
+inline void load_row(const scalar_t* __restrict__ src, float* __restrict__ dst) {
+#pragma omp simd
+  for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+}
+
+template <int D>
+inline float dot(const float* __restrict__ a, const float* __restrict__ b) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+template <typename scalar_t, int D>
 void decode_kernel(
     scalar_t* __restrict__ out,           // [B, H, D]
     const scalar_t* __restrict__ q,       // [B, H, D]
@@ -22,28 +45,26 @@ void decode_kernel(
     const scalar_t* __restrict__ v_cache, // [NB, BS, KVH, D]
     const int64_t* __restrict__ tables,   // [B, MB]
     const int64_t* __restrict__ lens,     // [B]
-    int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale) {
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
+    alignas(64) float row[D];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, h = item % KVH;
       const int64_t len = lens[b];
-      scores.assign(G * len, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_f(q[(b * H + h * G + g) * D + d]) * scale;
-      // Pass 1: scores = q . k for every cached position.
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[b * MB + t / BS];
-        const scalar_t* k = k_cache + ((block * BS + t % BS) * KVH + h) * D;
-        float kf[256];
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_f(k[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = &qf[g * D];
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
-          scores[g * len + t] = s;
+      scores.resize(G * len);
+      for (int64_t g = 0; g < G; ++g) {
+        load_row<scalar_t, D>(q + (b * H + h * G + g) * D, &qf[g * D]);
+        for (int d = 0; d < D; ++d) qf[g * D + d] *= scale;
+      }
+      // Pass 1: scores = q . k for every cached position, block by block.
+      for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const int64_t block = tables[b * MB + t0 / BS];
+        const int64_t n = std::min<int64_t>(BS, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row<scalar_t, D>(k_cache + ((block * BS + j) * KVH + h) * D, row);
+          for (int64_t g = 0; g < G; ++g) scores[g * len + t0 + j] = dot<D>(&qf[g * D], row);
         }
       }
       // Softmax per query head.
@@ -56,24 +77,39 @@ void decode_kernel(
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
       }
-      // Pass 2: out = sum p * v.
+      // Pass 2: out = sum_t p_t * v_t.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[b * MB + t / BS];
-        const scalar_t* v = v_cache + ((block * BS + t % BS) * KVH + h) * D;
-        float vf[256];
-        for (int64_t d = 0; d < D; ++d) vf[d] = to_f(v[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + t];
-          float* ag = &acc[g * D];
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
+      for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const int64_t block = tables[b * MB + t0 / BS];
+        const int64_t n = std::min<int64_t>(BS, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row<scalar_t, D>(v_cache + ((block * BS + j) * KVH + h) * D, row);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * len + t0 + j];
+            float* __restrict__ ag = &acc[g * D];
+#pragma omp simd
+            for (int d = 0; d < D; ++d) ag[d] += p * row[d];
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
+        for (int d = 0; d < D; ++d)
           out[(b * H + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
     }
   });
+}
+
+template <typename scalar_t>
+void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar_t* k,
+                       const scalar_t* v, const int64_t* tables, const int64_t* lens, int64_t B,
+                       int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+  switch (D) {
+    case 64: return decode_kernel<scalar_t, 64>(out, q, k, v, tables, lens, B, H, KVH, BS, MB, scale);
+    case 128: return decode_kernel<scalar_t, 128>(out, q, k, v, tables, lens, B, H, KVH, BS, MB, scale);
+    case 32: return decode_kernel<scalar_t, 32>(out, q, k, v, tables, lens, B, H, KVH, BS, MB, scale);
+    case 256: return decode_kernel<scalar_t, 256>(out, q, k, v, tables, lens, B, H, KVH, BS, MB, scale);
+    default: TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
+  }
 }
 
 }  // namespace
@@ -83,12 +119,11 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                             torch::Tensor seq_lens, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = block_tables.size(1);
-  TORCH_CHECK(D <= 256, "head_dim must be at most 256");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                            B, H, KVH, D, BS, MB, static_cast<float>(scale));
+    dispatch_head_dim<scalar_t>(D, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                                k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                                B, H, KVH, BS, MB, static_cast<float>(scale));
   });
 }
 
