@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 # How long the output thread retries a handshake reply while a frontend's
 # output socket is still connecting.
 _READY_RETRY_S = 5.0
+# An idle engine sends each frontend a heartbeat this often; frontends take
+# a few missed ones as the engine's death.
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 class EngineCoreServer:
@@ -171,21 +174,32 @@ class EngineCoreServer:
     def _output_loop(self) -> None:
         encoder, _ = make_engine_codec()
         while True:
-            item = self.output_queue.get()
+            try:
+                item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
+            except queue.Empty:
+                # Quiet for a while: tell every frontend that this process lives
+                # (and how loaded it is) even while a long step runs.
+                heartbeat = encoder.encode(Outputs([], self.engine.stats(), time.time()))
+                for identity in list(self.clients):
+                    self._send(identity, heartbeat, retry_s=0.0)
+                continue
             if item is None:
                 return
             identity, msg = item
-            payload = encoder.encode(msg)
-            deadline = time.monotonic() + (_READY_RETRY_S if not isinstance(msg, Outputs) else 0)
-            while True:
-                try:
-                    self._out_sock.send_multipart([identity, payload], copy=False)
-                    break
-                except zmq.ZMQError as e:
-                    if e.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
-                        logger.debug("frontend %r unreachable; dropped a message", identity)
-                        break
-                    time.sleep(0.01)
+            retry_s = 0.0 if isinstance(msg, Outputs) else _READY_RETRY_S
+            self._send(identity, encoder.encode(msg), retry_s)
+
+    def _send(self, identity: bytes, payload: bytes, retry_s: float) -> None:
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                self._out_sock.send_multipart([identity, payload], copy=False)
+                return
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
+                    logger.debug("frontend %r unreachable; dropped a message", identity)
+                    return
+                time.sleep(0.01)
 
     def _shutdown(self) -> None:
         for identity in self.clients:

@@ -210,6 +210,6 @@ class AsyncLLM:
         if self.client.dead is not None:
             return False
         try:
-            return await self.client.call_utility("ping", timeout=5.0) == "pong"
+            return await self.client.call_utility("ping", timeout=2.0) == "pong"
         except (EngineDeadError, RuntimeError, TimeoutError):
             return False

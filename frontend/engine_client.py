@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+HEARTBEAT_INTERVAL_S = 0.5
+# The engine's output thread speaks at least every 0.5 s, even mid-step.
+ENGINE_SILENCE_LIMIT_S = 2.0
+
+
 class EngineDeadError(RuntimeError):
     """The engine core went away or never answered."""
 
@@ -117,13 +122,19 @@ class AsyncMPClient:
         self._in_sock = self._ctx.socket(zmq.DEALER)
         self._in_sock.setsockopt(zmq.IDENTITY, identity)
         self._in_sock.setsockopt(zmq.LINGER, 0)
+        # Queue only to a live connection, so that a send to a dead engine
+        # fails at once instead of waiting forever.
+        self._in_sock.setsockopt(zmq.IMMEDIATE, 1)
         self._in_sock.connect(in_addr)
         ready_future: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
         self._tasks.append(asyncio.create_task(self._output_loop(ready_future)))
         deadline = time.monotonic() + timeout
         # The engine may still be loading: repeat Hello until it answers.
         while not ready_future.done():
-            await self._send(Hello(self.client_id, PROTOCOL_VERSION))
+            try:
+                await self._send(Hello(self.client_id, PROTOCOL_VERSION))
+            except EngineDeadError:
+                pass  # not listening yet
             try:
                 await asyncio.wait_for(asyncio.shield(ready_future), timeout=1.0)
             except TimeoutError:
@@ -135,12 +146,16 @@ class AsyncMPClient:
             await self.close()
             raise EngineDeadError(ready.error)
         self.ready = ready
+        self.last_output_time = time.monotonic()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
         return ready
 
     async def _send(self, msg: msgspec.Struct) -> None:
         assert self._in_sock is not None
-        await self._in_sock.send(self._encoder.encode(msg), copy=False)
+        try:
+            await self._in_sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError(f"the engine core at {self.address} is unreachable") from None
 
     async def add_request(
         self, request: AddRequest, handler: Callable[[RequestDelta | None], None]
@@ -208,12 +223,17 @@ class AsyncMPClient:
                 self._fail_all(msg.reason)
 
     async def _heartbeat_loop(self) -> None:
+        """Send our heartbeats; declare the engine dead when its stop coming."""
         while self.dead is None:
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            silent = time.monotonic() - self.last_output_time
+            if silent > ENGINE_SILENCE_LIMIT_S:
+                self._fail_all(f"no word from the engine core for {silent:.1f} s")
+                return
             try:
                 await self._send(Heartbeat(self.client_id))
-            except zmq.ZMQError:
-                return
+            except (EngineDeadError, zmq.ZMQError):
+                pass  # the silence check above decides
 
     def _fail_all(self, reason: str) -> None:
         self.dead = reason
