@@ -19,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed = False
@@ -113,4 +113,37 @@ def paged_decode_attention(
         seq_lens.contiguous(),
         float(scale),
     )
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden], overwritten with the normed sum
+    residual: torch.Tensor,  # [num_tokens, hidden], overwritten with residual + x
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> None:
+    """Launcher: residual += x; x = rms_norm(residual) * weight, in place."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    if x.shape != residual.shape or x.shape[-1] != weight.shape[0] or weight.dim() != 1:
+        raise ValueError("expected x and residual [num_tokens, hidden] and weight [hidden]")
+    if not (x.dtype == residual.dtype == weight.dtype):
+        raise ValueError("x, residual and weight must share a dtype")
+    if not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("x, residual and weight must be contiguous")
+    ops.fused_add_rms_norm(x, residual, weight, float(eps))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Launcher: [num_tokens, 2 * inter] → silu(gate) * up, [num_tokens, inter]."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 != 0:
+        raise ValueError("expected gate_up [num_tokens, 2 * inter]")
+    if not gate_up.is_contiguous():
+        raise ValueError("gate_up must be contiguous")
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    ops.silu_and_mul(out, gate_up)
     return out

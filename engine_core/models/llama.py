@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine_core.attention import AttentionMetadata, paged_attention
 from engine_core.model_config import ModelConfig, ModelLoadError
+from kernels import cpu_ops
 from kernels.linear import Linear
 
 
@@ -95,6 +96,13 @@ class LlamaModel:
         else:
             raise ModelLoadError(f"{config.path}: weight lm_head.weight is missing")
         self.layers = [self._load_layer(i, take) for i in range(config.num_layers)]
+        # Fused elementwise kernels for half precision on the CPU. float32 keeps
+        # the unfused torch ops: exactly what transformers computes.
+        self.fused = (
+            device.type == "cpu"
+            and dtype in (torch.bfloat16, torch.float16)
+            and cpu_ops.load_cpu_ops() is not None
+        )
         inv_freq = rope_inv_freq(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
@@ -146,8 +154,9 @@ class LlamaModel:
         cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
         sin = self.rope_sin[positions][:, None, :]
         residual = hidden
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = self._rms_norm(residual, layer.input_layernorm)
+        x = self._rms_norm(residual, self.layers[0].input_layernorm)
+        last = len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = layer.qkv_proj(x)  # [num_tokens, q + 2kv]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
@@ -159,15 +168,34 @@ class LlamaModel:
             q = _apply_rope(q, cos, sin)
             k = _apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
-            residual = residual + layer.o_proj(attn.flatten(1))
-            x = self._rms_norm(residual, layer.post_attention_layernorm)
-            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-            residual = residual + layer.down_proj(F.silu(gate) * up)
-        return self._rms_norm(residual, self.norm)
+            x, residual = self._add_rms_norm(
+                layer.o_proj(attn.flatten(1)), residual, layer.post_attention_layernorm
+            )
+            mlp = layer.down_proj(self._silu_and_mul(layer.gate_up_proj(x)))
+            next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
+            x, residual = self._add_rms_norm(mlp, residual, next_norm)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num, hidden] → float32 logits [num, vocab]."""
         return self.lm_head(hidden).float()
+
+    def _add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x); fused in place when compiled ops allow."""
+        if self.fused:
+            cpu_ops.fused_add_rms_norm(x, residual, weight, self.config.rms_norm_eps)
+            return x, residual
+        residual = residual + x
+        return self._rms_norm(residual, weight), residual
+
+    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, 2 * inter] → silu(gate) * up, [num_tokens, inter]."""
+        if self.fused:
+            return cpu_ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As HF does: normalize in float32, cast back, then scale.

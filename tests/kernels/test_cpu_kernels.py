@@ -101,3 +101,52 @@ def test_linear_matches_reference(dtype: torch.dtype, rows: int, bias: bool) -> 
     ref = reference_linear(x, w, b)
     assert out.shape == (rows, 96)
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def reference_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' order of operations: add, normalize in float32, cast, scale."""
+    summed = residual + x
+    xf = summed.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), summed
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    ref_out, ref_sum = reference_add_rms_norm(x, residual, weight, 1e-5)
+    cpu_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, ref_sum)  # same rounding of the sum
+    assert rel_err(x, ref_out) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_silu_and_mul_matches_reference(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows + 100)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen).to(dtype)
+    out = cpu_ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@needs_compiled
+def test_fused_launchers_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="share a dtype"):
+        cpu_ops.fused_add_rms_norm(
+            torch.randn(2, 8), torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-5
+        )
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        cpu_ops.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_ops.silu_and_mul(torch.randn(8, 4).t())

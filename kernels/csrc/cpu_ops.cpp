@@ -127,7 +127,82 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   });
 }
 
+// ---------------------------------------------------------------------------
+// Fused elementwise ops for half-precision activations. Each keeps the
+// rounding points of the unfused torch code (HF's), so results match it.
+
+namespace {
+
+template <typename scalar_t>
+inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
+
+template <typename scalar_t>
+void add_rms_norm_kernel(scalar_t* __restrict__ x, scalar_t* __restrict__ residual,
+                         const scalar_t* __restrict__ weight, int64_t rows, int64_t hidden,
+                         float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> r(hidden);
+    for (int64_t row = begin; row < end; ++row) {
+      scalar_t* xr = x + row * hidden;
+      scalar_t* rr = residual + row * hidden;
+      float ss = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) {
+        // residual = residual + x, rounded to the activation dtype
+        const scalar_t sum = round_to<scalar_t>(to_f(rr[i]) + to_f(xr[i]));
+        rr[i] = sum;
+        r[i] = to_f(sum);
+        ss += r[i] * r[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      for (int64_t i = 0; i < hidden; ++i) {
+        const scalar_t normed = round_to<scalar_t>(r[i] * inv);
+        xr[i] = round_to<scalar_t>(to_f(weight[i]) * to_f(normed));
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void silu_and_mul_kernel(scalar_t* __restrict__ out, const scalar_t* __restrict__ gate_up,
+                         int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* g = gate_up + row * 2 * inter;
+      const scalar_t* u = g + inter;
+      scalar_t* o = out + row * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gf = to_f(g[i]);
+        const scalar_t act = round_to<scalar_t>(gf / (1.f + std::exp(-gf)));
+        o[i] = round_to<scalar_t>(to_f(act) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps) {
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                                  weight.data_ptr<scalar_t>(), rows, hidden,
+                                  static_cast<float>(eps));
+  });
+}
+
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
+  const int64_t inter = out.size(-1), rows = out.numel() / inter;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), rows,
+                                  inter);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention over a block table (CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (CPU)");
 }
