@@ -15,6 +15,7 @@ from frontend.api.errors import APIError, install_error_handlers
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
+from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
 
 VERSION = "0.1.0"
@@ -104,6 +105,8 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
         return await guarded(lambda: chat.create(body, request))
+
+    app.include_router(build_tokenize_router(engine, served, chat))
 
     @app.get("/stats")
     async def stats() -> JSONResponse:

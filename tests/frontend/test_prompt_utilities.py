@@ -1,0 +1,70 @@
+"""/tokenize, /detokenize, /tokenizer_info and the render routes, on the real server."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.frontend.conftest import MODEL_NAME, Server
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def post(server: Server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=30)
+
+
+def test_tokenize_detokenize_round_trip(server: Server) -> None:
+    r = post(
+        server,
+        "/tokenize",
+        {"model": MODEL_NAME, "prompt": "Hello world", "return_token_strs": True},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 1024
+    assert "".join(body["token_strs"]).replace("Ġ", " ") == "Hello world"
+    back = post(server, "/detokenize", {"model": MODEL_NAME, "tokens": body["tokens"]}).json()
+    assert back == {"prompt": "Hello world"}
+
+
+def test_tokenized_messages_count_matches_chat_usage(server: Server) -> None:
+    tok = post(server, "/tokenize", {"model": MODEL_NAME, "messages": CHAT}).json()
+    c = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+    chat = c.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert chat.usage is not None and chat.usage.prompt_tokens == tok["count"]
+    render = post(
+        server, "/v1/chat/completions/render", {"model": MODEL_NAME, "messages": CHAT}
+    ).json()
+    assert render["prompt_token_ids"] == tok["tokens"]
+    assert render["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_completion_render_and_tokenizer_info(server: Server) -> None:
+    r = post(server, "/v1/completions/render", {"model": MODEL_NAME, "prompt": ["a b", "c d e"]})
+    counts = [post(server, "/tokenize", {"prompt": p}).json()["count"] for p in ("a b", "c d e")]
+    assert [p["num_prompt_tokens"] for p in r.json()["prompts"]] == counts
+    ids = post(server, "/v1/completions/render", {"prompt": [1, 2, 3]}).json()
+    assert ids["prompts"][0]["prompt_token_ids"] == [1, 2, 3]
+    info = httpx.get(server.base_url + "/tokenizer_info").json()
+    assert info["eos_token_id"] == 2 and "im_start" in info["chat_template"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", {}),
+        ("/tokenize", {"prompt": "a", "messages": CHAT}),
+        ("/tokenize", {"prompt": 5}),
+        ("/detokenize", {"tokens": [-1]}),
+        ("/detokenize", {"tokens": "abc"}),
+        ("/tokenize", {"model": "nope", "prompt": "a"}),
+    ],
+)
+def test_prompt_utilities_reject_bad_input(server: Server, path: str, body: dict) -> None:
+    r = post(server, path, body)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"]["message"]
