@@ -11,8 +11,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from frontend.api.common import as_api_error, now
-from frontend.api.errors import APIError, install_error_handlers
+from frontend.api.errors import APIError, error_response, install_error_handlers
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
+from frontend.api.serving_anthropic import build_router as build_anthropic_router
 from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
@@ -57,7 +58,7 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
                 else (request.headers.get("x-api-key", ""))
             )
             if not any(hmac.compare_digest(token.encode(), k) for k in keys):
-                return APIError(401, "invalid or missing API key").response()
+                return error_response(request, APIError(401, "invalid or missing API key"))
             return await call_next(request)
 
     async def guarded(work: Callable[[], Awaitable[Any]]) -> Any:
@@ -107,6 +108,7 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
         return await guarded(lambda: chat.create(body, request))
 
     app.include_router(build_tokenize_router(engine, served, chat))
+    app.include_router(build_anthropic_router(engine, served))
 
     @app.get("/stats")
     async def stats() -> JSONResponse:

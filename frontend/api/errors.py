@@ -57,6 +57,34 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(err: APIError) -> dict[str, Any]:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = _ANTHROPIC_TYPES.get(
+        err.status, "invalid_request_error" if err.status < 500 else "api_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def error_response(request: Request, err: APIError) -> JSONResponse:
+    """The error in the shape of the API the route belongs to."""
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error_body(err), status_code=err.status)
+    return err.response()
+
+
 def error_json(err: APIError) -> str:
     return json.dumps(err.body())
 
@@ -67,11 +95,11 @@ def _short(text: str, limit: int = 300) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -81,12 +109,12 @@ def install_error_handlers(app: FastAPI) -> None:
             param = None
         else:
             message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
-        return APIError(400, _short(message), param).response()
+        return error_response(request, APIError(400, _short(message), param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, _short(str(exc.detail))).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request, APIError(exc.status_code, _short(str(exc.detail))))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request, APIError(500, f"internal error: {type(exc).__name__}"))

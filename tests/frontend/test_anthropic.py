@@ -1,0 +1,106 @@
+"""Anthropic Messages API with the official anthropic client against the real server."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+
+from tests.frontend.conftest import MODEL_NAME, Server
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def test_message_and_count_tokens(server: Server) -> None:
+    c = client(server)
+    msg = c.messages.create(
+        model=MODEL_NAME, max_tokens=20, messages=QUESTION, extra_body={"temperature": 0}
+    )  # type: ignore[arg-type]
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert msg.content[0].type == "text" and "Paris" in msg.content[0].text  # type: ignore[union-attr]
+    assert msg.stop_reason == "end_turn"
+    count = c.messages.count_tokens(model=MODEL_NAME, messages=QUESTION)  # type: ignore[arg-type]
+    assert count.input_tokens == msg.usage.input_tokens > 0
+    short = c.messages.create(
+        model=MODEL_NAME, max_tokens=2, messages=QUESTION, extra_body={"temperature": 0}
+    )  # type: ignore[arg-type]
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
+
+
+def test_system_and_stop_sequence(server: Server) -> None:
+    c = client(server)
+    base = c.messages.create(
+        model=MODEL_NAME,
+        max_tokens=20,
+        messages=QUESTION,
+        extra_body={"temperature": 0},
+        system="Be brief.",  # type: ignore[arg-type]
+    )
+    text = base.content[0].text  # type: ignore[union-attr]
+    stop = text.split()[2]
+    cut = c.messages.create(
+        model=MODEL_NAME,
+        max_tokens=20,
+        messages=QUESTION,
+        extra_body={"temperature": 0},
+        system="Be brief.",  # type: ignore[arg-type]
+        stop_sequences=[stop],
+    )
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
+
+
+def test_streaming_helpers(server: Server) -> None:
+    c = client(server)
+    full = c.messages.create(
+        model=MODEL_NAME, max_tokens=20, messages=QUESTION, extra_body={"temperature": 0}
+    )  # type: ignore[arg-type]
+    with c.messages.stream(
+        model=MODEL_NAME, max_tokens=20, messages=QUESTION, extra_body={"temperature": 0}
+    ) as s:  # type: ignore[arg-type]
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == full.content[0].text  # type: ignore[union-attr]
+    assert final.content[0].text == streamed  # type: ignore[union-attr]
+    assert final.stop_reason == full.stop_reason
+    assert final.usage.output_tokens == full.usage.output_tokens
+
+
+def test_event_order(server: Server) -> None:
+    body = {"model": MODEL_NAME, "max_tokens": 5, "messages": QUESTION, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/messages", json=body, timeout=60) as r:
+        events = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert events[:3] == ["message_start", "content_block_start", "ping"]
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(events[3:-3]) <= {"content_block_delta"}
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"model": MODEL_NAME, "messages": QUESTION}, 400),  # max_tokens missing
+        ({"model": MODEL_NAME, "max_tokens": 5, "messages": []}, 400),
+        ({"model": "nope", "max_tokens": 5, "messages": QUESTION}, 404),
+        (
+            {
+                "model": MODEL_NAME,
+                "max_tokens": 5,
+                "messages": [{"role": "system", "content": "x"}],
+            },
+            400,
+        ),
+        ({"model": MODEL_NAME, "max_tokens": 99999, "messages": QUESTION}, 400),
+        ({"model": MODEL_NAME, "max_tokens": 5, "messages": QUESTION, "temperature": 3}, 400),
+    ],
+)
+def test_errors_in_anthropic_shape(server: Server, body: dict, status: int) -> None:
+    r = httpx.post(server.base_url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    payload = r.json()
+    assert payload["type"] == "error" and payload["error"]["type"] and payload["error"]["message"]
