@@ -15,8 +15,9 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from frontend.engine_client import AsyncMPClient, EngineDeadError
 from frontend.output_processor import OutputKind, RequestState
@@ -26,12 +27,15 @@ from frontend.tokenizer import Tokenizer
 from protocol.messages import RequestDelta
 from protocol.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from frontend.metrics import FrontendMetrics
 
-def _enqueue(
-    queue: asyncio.Queue[tuple[int, RequestDelta | None]], index: int
-) -> Callable[[RequestDelta | None], None]:
-    """A delta handler that tags deltas with their sample index."""
-    return lambda delta: queue.put_nowait((index, delta))
+DeltaQueue = asyncio.Queue[tuple[int, RequestDelta | None, float]]
+
+
+def _enqueue(queue: DeltaQueue, index: int) -> Callable[[RequestDelta | None], None]:
+    """A delta handler that tags deltas with their sample index and arrival time."""
+    return lambda delta: queue.put_nowait((index, delta, time.monotonic()))
 
 
 class EngineRequestError(ValueError):
@@ -55,9 +59,8 @@ class AsyncLLM:
         self.model_name = client.ready.model_name
         self._engine_process = engine_process
         # request id -> (engine request ids, the queue its deltas arrive on)
-        self._active: dict[
-            str, tuple[list[str], asyncio.Queue[tuple[int, RequestDelta | None]]]
-        ] = {}
+        self._active: dict[str, tuple[list[str], DeltaQueue]] = {}
+        self.metrics: FrontendMetrics | None = None  # set by the API server
 
     # ------------------------------------------------------------ lifecycle
 
@@ -158,18 +161,19 @@ class AsyncLLM:
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, output_kind
         )
-        queue: asyncio.Queue[tuple[int, RequestDelta | None]] = asyncio.Queue()
+        queue: DeltaQueue = asyncio.Queue()
         child_ids = [r.request_id for r in requests]
+        started = time.monotonic()
+        last_token_at: list[float | None] = [None] * len(requests)
         self._active[request_id] = (child_ids, queue)
         try:
             for index, request in enumerate(requests):
                 await self.client.add_request(request, _enqueue(queue, index))
             while not state.finished:
-                index, delta = await queue.get()
-                batch = [(index, delta)]
+                batch = [await queue.get()]
                 while not queue.empty():  # fold everything already here into one output
                     batch.append(queue.get_nowait())
-                for index, delta in batch:
+                for index, delta, arrived in batch:
                     if index < 0:  # aborted through abort()
                         state.finish_all("abort")
                         break
@@ -177,8 +181,22 @@ class AsyncLLM:
                         raise EngineDeadError(self.client.dead or "the engine core died")
                     if delta.error is not None:
                         raise EngineRequestError(delta.error)
+                    if self.metrics is not None and delta.new_token_ids:
+                        last = last_token_at[index]
+                        if last is None:
+                            self.metrics.observe_first_token(arrived - started)
+                        else:
+                            self.metrics.observe_inter_token(arrived - last)
+                        last_token_at[index] = arrived
                     if state.apply(index, delta):
                         await self.client.abort([child_ids[index]])
+                if state.finished and self.metrics is not None:
+                    self.metrics.observe_finished(
+                        time.monotonic() - started,
+                        len(prompt_token_ids),
+                        sum(len(sample.token_ids) for sample in state.samples),
+                        [sample.finish_reason or "abort" for sample in state.samples],
+                    )
                 output = state.make_output()
                 if output is not None:
                     yield output
@@ -198,7 +216,7 @@ class AsyncLLM:
         if active is not None:
             child_ids, queue = active
             await self.client.abort(child_ids)
-            queue.put_nowait((-1, None))
+            queue.put_nowait((-1, None, time.monotonic()))
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))

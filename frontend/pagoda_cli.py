@@ -7,9 +7,12 @@ naming it; SIGINT or SIGTERM stops all of them.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from engine_core.addresses import default_ipc_address
@@ -26,8 +29,14 @@ def _serve(ns: argparse.Namespace) -> int:
     api_argv = [python, "-m", "frontend.cli", "--engine", address, *frontend_args_to_argv(ns)]
     if ns.served_model_name:
         api_argv += ["--served-model-name", ns.served_model_name]
+    api_env = dict(os.environ)
+    metrics_dir = None
+    if ns.api_server_count > 1:
+        # prometheus-client sums the API servers' request metrics through files here.
+        metrics_dir = tempfile.mkdtemp(prefix="pagoda-metrics-")
+        api_env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     for i in range(ns.api_server_count):
-        children.append((f"api-server {i}", subprocess.Popen(api_argv)))
+        children.append((f"api-server {i}", subprocess.Popen(api_argv, env=api_env)))
 
     stopping = False
 
@@ -64,6 +73,8 @@ def _serve(ns: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     return exit_code
 
 

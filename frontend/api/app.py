@@ -18,6 +18,7 @@ from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
+from frontend.metrics import EngineStatsCollector, FrontendMetrics
 
 VERSION = "0.1.0"
 _OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
@@ -41,6 +42,13 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
     completions = CompletionServer(engine, served)
     chat = ChatServer(engine, served)
     app.state.engine = engine
+    metrics = FrontendMetrics(served[0])
+    metrics.add_engine_collector(
+        EngineStatsCollector(
+            engine.client, served[0], engine.ready.block_size, engine.ready.num_kv_blocks
+        )
+    )
+    engine.metrics = metrics
 
     if config.api_keys:
         keys = [k.encode() for k in config.api_keys]
@@ -109,6 +117,10 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
 
     app.include_router(build_tokenize_router(engine, served, chat))
     app.include_router(build_anthropic_router(engine, served))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/stats")
     async def stats() -> JSONResponse:

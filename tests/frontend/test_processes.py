@@ -110,8 +110,16 @@ def test_pagoda_serve_two_api_servers_and_sigterm_stops_all() -> None:
         children = _children(proc.pid)
         assert len(children) == 3  # one engine core, two API servers
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        for p in PROMPTS:
-            assert c.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4).choices[0].text
+        generated = 0
+        for _ in range(3):  # connections spread over both API servers
+            for p in PROMPTS:
+                out = c.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4)
+                assert out.choices[0].text and out.usage is not None
+                generated += out.usage.completion_tokens
+        # /metrics sums the request metrics of both API server processes.
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total"))
+        assert float(line.rsplit(" ", 1)[1]) == generated
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         for pid in children:

@@ -1,0 +1,185 @@
+"""Prometheus metrics with vLLM's names, so dashboards and gateways carry over.
+
+Request metrics (TTFT, inter-token latency, end-to-end latency, token
+counts, successes by finish reason) are observed in the API server, where
+tokens arrive. Engine figures (running / waiting requests, KV cache usage,
+preemptions, prefix-cache queries and hits) come from the statistics the
+engine core sends with every output and heartbeat. With several API server
+processes (`pagoda serve --api-server-count N`) prometheus-client's
+multiprocess mode sums the request metrics over all of them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from frontend.engine_client import AsyncMPClient
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class EngineStatsCollector(Collector):
+    """Engine gauges and counters read from the latest stats the engine sent."""
+
+    def __init__(
+        self, client: AsyncMPClient, model_name: str, block_size: int, num_blocks: int
+    ) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.client.stats
+        labels = ["model_name"]
+        values = [self.model_name]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (0-1).",
+                stats.kv_cache_usage,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, doc, value in (
+            ("vllm:num_preemptions", "Preemptions since start.", stats.num_preemptions),
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                stats.prefix_cache_hits,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(values, value)
+            yield counter
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV cache configuration.",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        info.add_metric([str(self.block_size), str(self.num_blocks), "True"], 1.0)
+        yield info
+
+
+class FrontendMetrics:
+    """Request metrics of one API server (summed across processes when multiprocess)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        # In multiprocess mode values live in files; the registry here only serves.
+        register = None if self.multiprocess_dir else self.registry
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=register,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between tokens.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=register,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=register,
+        )
+        self.prompt_tokens_hist = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=register,
+        )
+        self.gen_tokens_hist = Histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=register,
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=register
+        )
+        self.gen_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", labels, registry=register
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests.",
+            [*labels, "finished_reason"],
+            registry=register,
+        )
+        if self.multiprocess_dir:
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry)
+
+    def add_engine_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def observe_finished(
+        self, seconds: float, num_prompt: int, num_generated: int, finish_reasons: list[str]
+    ) -> None:
+        m = self.model_name
+        self.e2e.labels(m).observe(seconds)
+        self.prompt_tokens_hist.labels(m).observe(num_prompt)
+        self.gen_tokens_hist.labels(m).observe(num_generated)
+        self.prompt_tokens.labels(m).inc(num_prompt)
+        self.gen_tokens.labels(m).inc(num_generated)
+        for reason in finish_reasons:
+            self.success.labels(m, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

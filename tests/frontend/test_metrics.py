@@ -1,0 +1,81 @@
+"""GET /metrics: vLLM's metric names, exact after a known workload."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.frontend.conftest import MODEL_NAME
+from tests.frontend.servers import Processes, api_argv, engine_argv, free_port, wait_healthy
+
+from .conftest import ENGINE_FLAGS
+
+pytestmark = pytest.mark.slow
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+    assert found, f"{name} {labels} not in /metrics"
+    return total
+
+
+def test_metrics_exact_after_known_workload(tmp_path: object) -> None:
+    procs = Processes()
+    address = f"ipc://{tmp_path}/engine"
+    port = free_port()
+    procs.start(engine_argv(address, *ENGINE_FLAGS), "engine-metrics")
+    procs.start(api_argv(address, port), "api-metrics")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, procs)
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        for i in range(10):
+            c.completions.create(
+                model=MODEL_NAME,
+                prompt=f"Number {i}",
+                max_tokens=10,
+                extra_body={"ignore_eos": True},
+            )
+        text = httpx.get(base + "/metrics").text
+        assert metric(text, "vllm:time_to_first_token_seconds_count") == 10
+        assert metric(text, "vllm:inter_token_latency_seconds_count") == 90
+        assert metric(text, "vllm:request_generation_tokens_sum") == 100
+        assert metric(text, "vllm:generation_tokens_total") == 100
+        assert metric(text, "vllm:request_success_total", finished_reason="length") == 10
+        assert metric(text, "vllm:e2e_request_latency_seconds_count") == 10
+        # Long requests cancelled by the client: running, waiting and KV usage go back to 0.
+        for i in range(4):
+            try:
+                c.with_options(timeout=0.5).completions.create(
+                    model=MODEL_NAME,
+                    prompt=f"Long {i}",
+                    max_tokens=900,
+                    extra_body={"ignore_eos": True},
+                )
+            except openai.APITimeoutError:
+                pass
+        deadline = time.monotonic() + 15
+        while True:
+            text = httpx.get(base + "/metrics").text
+            values = [
+                metric(text, f"vllm:{n}")
+                for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+            ]
+            if values == [0, 0, 0]:
+                break
+            assert time.monotonic() < deadline, values
+            time.sleep(0.3)
+        assert re.search(r"^vllm:prefix_cache_queries_total", text, re.M)
+        assert "vllm:cache_config_info" in text
+    finally:
+        procs.stop()
