@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from frontend.api.common import as_api_error, now
 from frontend.api.errors import APIError, error_response, install_error_handlers
@@ -107,13 +108,52 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
             ],
         }
 
+    in_flight = {"count": 0}
+
+    async def counted(work: Callable[[], Awaitable[Any]]) -> Any:
+        # GET /load reports this (vLLM's server load tracking); a streamed
+        # response counts until it is handed to the server to send.
+        in_flight["count"] += 1
+        try:
+            return await guarded(work)
+        finally:
+            in_flight["count"] -= 1
+
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Any:
-        return await guarded(lambda: completions.create(body, request))
+        return await counted(lambda: completions.create(body, request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
-        return await guarded(lambda: chat.create(body, request))
+        return await counted(lambda: chat.create(body, request))
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        return {"server_load": in_flight["count"]}
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Any:
+        """SageMaker: dispatch by the body's shape to chat or completions."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            if "messages" in body:
+                chat_req = ChatCompletionRequest.model_validate(body)
+                return await counted(lambda: chat.create(chat_req, request))
+            if "prompt" in body:
+                comp_req = CompletionRequest.model_validate(body)
+                return await counted(lambda: completions.create(comp_req, request))
+        except ValidationError as e:
+            errors = e.errors()
+            loc = errors[0]["loc"] if errors else ()
+            msg = errors[0]["msg"] if errors else "invalid value"
+            param = ".".join(str(p) for p in loc) or None
+            raise APIError(400, f"{param}: {msg}"[:300], param) from None
+        raise APIError(400, "expected a chat (messages) or completions (prompt) request body")
 
     app.include_router(build_tokenize_router(engine, served, chat))
     app.include_router(build_anthropic_router(engine, served))

@@ -68,3 +68,16 @@ def test_prompt_utilities_reject_bad_input(server: Server, path: str, body: dict
     r = post(server, path, body)
     assert 400 <= r.status_code < 500, r.text
     assert r.json()["error"]["message"]
+
+
+def test_sagemaker_invocations_and_load(server: Server) -> None:
+    chat = post(server, "/invocations", {"messages": CHAT, "max_tokens": 3, "temperature": 0})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    comp = post(server, "/invocations", {"prompt": "Hi", "max_tokens": 3})
+    assert comp.status_code == 200 and comp.json()["object"] == "text_completion"
+    bad = post(server, "/invocations", {"input": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
+    wrong = post(server, "/invocations", {"messages": "x"})
+    assert wrong.status_code == 400
+    assert httpx.get(server.base_url + "/ping").status_code == 200
+    assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
