@@ -187,3 +187,23 @@ def test_async_llm_streams_and_aborts(server: Server) -> None:
             await engine.client.close()
 
     asyncio.run(run())
+
+
+def test_async_llm_from_engine_args_starts_and_stops_its_engine() -> None:
+    async def run() -> None:
+        engine = await AsyncLLM.from_engine_args(
+            dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512
+        )
+        process = engine._engine_process
+        assert process is not None and process.poll() is None
+        outs = [
+            o
+            async for o in engine.generate(
+                [1, 504, 3575, 282, 4649, 314], SamplingParams(temperature=0, max_tokens=3), "x"
+            )
+        ]
+        assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 3
+        await engine.shutdown()
+        assert process.poll() is not None
+
+    asyncio.run(run())
