@@ -159,6 +159,12 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, "abort")
 
+    def abort_client(self, client_id: str) -> int:
+        """Abort every request of one frontend; returns how many."""
+        ids = [r.request_id for r in self.scheduler.requests.values() if r.client_id == client_id]
+        self.scheduler.finish_requests(ids, "abort")
+        return len(ids)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

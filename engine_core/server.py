@@ -48,6 +48,8 @@ _READY_RETRY_S = 5.0
 # An idle engine sends each frontend a heartbeat this often; frontends take
 # a few missed ones as the engine's death.
 HEARTBEAT_INTERVAL_S = 0.5
+# A frontend silent this long is taken for dead and its requests are aborted.
+CLIENT_SILENCE_LIMIT_S = 5.0
 
 
 class EngineCoreServer:
@@ -60,6 +62,9 @@ class EngineCoreServer:
         self.output_queue: queue.Queue[tuple[bytes, EngineMessage] | None] = queue.Queue()
         self.stop_event = threading.Event()
         self.clients: set[bytes] = set()
+        # When each frontend last spoke (its heartbeats arrive every 0.5 s).
+        self.last_seen: dict[bytes, float] = {}
+        self._next_liveness_check = 0.0
         self._ctx = zmq.Context()
         in_addr, out_addr = split_address(address)
         self._in_sock = self._ctx.socket(zmq.ROUTER)
@@ -85,6 +90,7 @@ class EngineCoreServer:
         try:
             while not self.stop_event.is_set():
                 self._drain_inputs(block=not self.engine.has_work())
+                self._drop_silent_clients()
                 if not self.engine.has_work():
                     continue
                 self._send_deltas(self.engine.step())
@@ -105,8 +111,28 @@ class EngineCoreServer:
         except queue.Empty:
             pass
 
+    def _drop_silent_clients(self) -> None:
+        """Abort the requests of frontends whose heartbeats stopped (crashed, killed)."""
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return
+        self._next_liveness_check = now + 1.0
+        for identity, seen in list(self.last_seen.items()):
+            if now - seen > CLIENT_SILENCE_LIMIT_S:
+                client_id = identity.decode(errors="replace")
+                aborted = self.engine.abort_client(client_id)
+                logger.warning(
+                    "frontend %s silent for %.1f s: aborted its %d requests",
+                    client_id,
+                    now - seen,
+                    aborted,
+                )
+                del self.last_seen[identity]
+                self.clients.discard(identity)
+
     def _handle(self, identity: bytes, msg: object) -> None:
         client_id = identity.decode(errors="replace")
+        self.last_seen[identity] = time.monotonic()
         if isinstance(msg, AddRequest):
             error = self.engine.add_request(msg, client_id)
             if error is not None:

@@ -207,3 +207,32 @@ def test_async_llm_from_engine_args_starts_and_stops_its_engine() -> None:
         assert process.poll() is not None
 
     asyncio.run(run())
+
+
+def test_engine_aborts_requests_of_a_killed_api_server(server: Server) -> None:
+    procs = Processes()
+    port = free_port()
+    doomed = procs.start(api_argv(server.address, port), "api-doomed")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", procs, timeout=60)
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "Count:",
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60
+        ) as r:
+            next(r.iter_lines())  # generating now
+            os.kill(doomed.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while True:
+            stats = httpx.get(server.base_url + "/stats", timeout=10).json()
+            if stats["num_running"] == 0 and stats["num_used_blocks"] == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.3)
+    finally:
+        procs.stop()
