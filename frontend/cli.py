@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import socket
@@ -25,11 +26,43 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="required bearer key (repeatable; also PAGODA_API_KEY)",
     )
     g.add_argument("--chat-template", default=None, help="a jinja template file or string")
+    g.add_argument(
+        "--allowed-origins",
+        type=_str_list,
+        default=[],
+        help="CORS origins, a JSON list or comma-separated (default: CORS closed)",
+    )
+    g.add_argument("--allowed-methods", type=_str_list, default=["*"])
+    g.add_argument("--allowed-headers", type=_str_list, default=["*"])
+    g.add_argument(
+        "--max-request-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413"
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
+
+
+def _str_list(value: str) -> list[str]:
+    """vLLM passes these as JSON lists; a comma-separated string works too."""
+    value = value.strip()
+    if value.startswith("["):
+        parsed = json.loads(value)
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return parsed
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
     argv = ["--host", ns.host, "--port", str(ns.port), "--uvicorn-log-level", ns.uvicorn_log_level]
+    argv += [
+        "--allowed-origins",
+        json.dumps(ns.allowed_origins),
+        "--allowed-methods",
+        json.dumps(ns.allowed_methods),
+        "--allowed-headers",
+        json.dumps(ns.allowed_headers),
+        "--max-request-body-bytes",
+        str(ns.max_request_body_bytes),
+    ]
     for key in ns.api_key or []:
         argv += ["--api-key", key]
     if ns.chat_template:
@@ -77,6 +110,10 @@ async def serve(ns: argparse.Namespace) -> int:
         api_keys=tuple(keys),
         served_model_name=ns.served_model_name,
         chat_template=ns.chat_template,
+        allowed_origins=tuple(ns.allowed_origins),
+        allowed_methods=tuple(ns.allowed_methods),
+        allowed_headers=tuple(ns.allowed_headers),
+        max_request_body_bytes=ns.max_request_body_bytes,
     )
     sock = bind_socket(ns.host, ns.port)
     try:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hmac
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -34,6 +36,11 @@ class FrontendConfig:
     api_keys: tuple[str, ...] = ()
     served_model_name: str | None = None
     chat_template: str | None = None
+    # CORS is closed unless origins are given.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    max_request_body_bytes: int = 8 << 20
 
 
 def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
@@ -69,6 +76,34 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
             if not any(hmac.compare_digest(token.encode(), k) for k in keys):
                 return error_response(request, APIError(401, "invalid or missing API key"))
             return await call_next(request)
+
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=False,
+        )
+
+    @app.middleware("http")
+    async def _request_id_and_size(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        # Outermost: echo (or make) X-Request-Id, refuse oversized bodies up front.
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        length = request.headers.get("content-length")
+        if length is not None and (
+            not length.isdigit() or int(length) > config.max_request_body_bytes
+        ):
+            response: Response = error_response(
+                request,
+                APIError(413, f"request body over {config.max_request_body_bytes} bytes"),
+            )
+        else:
+            response = await call_next(request)
+        response.headers["X-Request-Id"] = request_id[:128]
+        return response
 
     async def guarded(work: Callable[[], Awaitable[Any]]) -> Any:
         try:

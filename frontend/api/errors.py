@@ -17,7 +17,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout_error",
-    413: "invalid_request_error",
+    413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
