@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -161,6 +163,39 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
         return await counted(lambda: chat.create(body, request))
+
+    @app.post("/v1/chat/completions/batch")
+    async def create_chat_batch(request: Request) -> Any:
+        """A list of chat requests, answered in order; one failure fails only itself."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        items = body.get("requests") if isinstance(body, dict) else body
+        if not isinstance(items, list) or not items:
+            raise APIError(400, "expected a non-empty list of chat requests", "requests")
+        if len(items) > 1024:
+            raise APIError(400, "at most 1024 requests per batch", "requests")
+
+        async def one(index: int, item: Any) -> dict[str, Any]:
+            try:
+                req = ChatCompletionRequest.model_validate(item)
+                if req.stream:
+                    raise APIError(400, "stream is not allowed in a batch", "stream")
+                result = await chat.create(req, request)
+            except ValidationError as e:
+                errors = e.errors()
+                loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+                err = APIError(400, f"{loc}: {errors[0]['msg'] if errors else 'invalid'}", loc)
+                return {"index": index, "status": err.status, **err.body()}
+            except Exception as e:  # noqa: BLE001 - reported in this item's slot
+                err = as_api_error(e)
+                return {"index": index, "status": err.status, **err.body()}
+            payload = json.loads(bytes(result.body)) if isinstance(result, Response) else result
+            return {"index": index, "status": 200, "response": payload}
+
+        results = await counted(lambda: asyncio.gather(*(one(i, x) for i, x in enumerate(items))))
+        return {"object": "list", "data": results}
 
     @app.get("/load")
     async def load() -> dict[str, int]:

@@ -81,3 +81,29 @@ def test_sagemaker_invocations_and_load(server: Server) -> None:
     assert wrong.status_code == 400
     assert httpx.get(server.base_url + "/ping").status_code == 200
     assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
+
+
+def test_chat_batch_keeps_order_and_isolates_failures(server: Server) -> None:
+    good = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    body = {
+        "requests": [
+            good,
+            {"model": MODEL_NAME, "messages": []},
+            {**good, "model": "nope"},
+            {**good, "max_tokens": 2},
+        ]
+    }
+    r = post(server, "/v1/chat/completions/batch", body)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == [0, 1, 2, 3]
+    assert [d["status"] for d in data] == [200, 400, 404, 200]
+    assert data[0]["response"]["usage"]["completion_tokens"] <= 4
+    assert data[3]["response"]["usage"]["completion_tokens"] <= 2
+    assert data[1]["error"]["message"] and data[2]["error"]["code"] == "model_not_found"
+    single = post(server, "/v1/chat/completions", good).json()
+    assert (
+        data[0]["response"]["choices"][0]["message"]["content"]
+        == (single["choices"][0]["message"]["content"])
+    )
+    assert post(server, "/v1/chat/completions/batch", {"requests": []}).status_code == 400
