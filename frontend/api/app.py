@@ -16,7 +16,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from frontend.api.common import as_api_error, now
-from frontend.api.errors import APIError, error_response, install_error_handlers
+from frontend.api.errors import (
+    APIError,
+    error_response,
+    install_error_handlers,
+    validation_api_error,
+)
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.api.serving_anthropic import build_router as build_anthropic_router
 from frontend.api.serving_chat import ChatServer
@@ -184,9 +189,7 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
                     raise APIError(400, "stream is not allowed in a batch", "stream")
                 result = await chat.create(req, request)
             except ValidationError as e:
-                errors = e.errors()
-                loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-                err = APIError(400, f"{loc}: {errors[0]['msg'] if errors else 'invalid'}", loc)
+                err = validation_api_error(e)
                 return {"index": index, "status": err.status, **err.body()}
             except Exception as e:  # noqa: BLE001 - reported in this item's slot
                 err = as_api_error(e)
@@ -218,11 +221,7 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
                 comp_req = CompletionRequest.model_validate(body)
                 return await counted(lambda: completions.create(comp_req, request))
         except ValidationError as e:
-            errors = e.errors()
-            loc = errors[0]["loc"] if errors else ()
-            msg = errors[0]["msg"] if errors else "invalid value"
-            param = ".".join(str(p) for p in loc) or None
-            raise APIError(400, f"{param}: {msg}"[:300], param) from None
+            raise validation_api_error(e) from None
         raise APIError(400, "expected a chat (messages) or completions (prompt) request body")
 
     app.include_router(build_tokenize_router(engine, served, chat))

@@ -15,6 +15,7 @@ from frontend.api.errors import APIError, error_json
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
+from frontend.outputs import CompletionOutput
 from protocol.sampling_params import SamplingParams, SamplingParamsError
 
 T = TypeVar("T")
@@ -110,6 +111,26 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             pass
         raise APIError(499, "client disconnected")
     return task.result()
+
+
+def usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
+
+
+def accumulate(target: CompletionOutput, delta: CompletionOutput) -> None:
+    """Fold one streamed delta of a sample into its running total."""
+    target.text += delta.text
+    target.token_ids += delta.token_ids
+    if delta.logprobs is not None:
+        target.logprobs = (target.logprobs or []) + delta.logprobs
+    target.cumulative_logprob = delta.cumulative_logprob
+    target.finish_reason = delta.finish_reason
+    target.stop_reason = delta.stop_reason
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
@@ -83,6 +84,14 @@ def error_response(request: Request, err: APIError) -> JSONResponse:
     if request.url.path.startswith("/v1/messages"):
         return JSONResponse(anthropic_error_body(err), status_code=err.status)
     return err.response()
+
+
+def validation_api_error(exc: ValidationError) -> APIError:
+    """A pydantic validation failure as a short 400 naming the field."""
+    errors = exc.errors()
+    loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+    msg = errors[0]["msg"] if errors else "invalid value"
+    return APIError(400, _short(f"{loc or 'body'}: {msg}"), loc)
 
 
 def error_json(err: APIError) -> str:

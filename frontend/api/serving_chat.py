@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.api.common import (
+    accumulate,
     check_model,
     new_id,
     now,
@@ -16,6 +17,7 @@ from frontend.api.common import (
     sse,
     sse_with_errors,
     unless_disconnected,
+    usage,
 )
 from frontend.api.errors import APIError
 from frontend.api.openai_models import ChatCompletionRequest
@@ -166,11 +168,7 @@ class ChatServer:
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": num_prompt,
-                "completion_tokens": num_completion,
-                "total_tokens": num_prompt + num_completion,
-            },
+            "usage": usage(num_prompt, num_completion),
         }
 
     async def _stream(
@@ -241,11 +239,7 @@ class ChatServer:
         if include_usage:
             yield chunk(
                 [],
-                usage={
-                    "prompt_tokens": num_prompt,
-                    "completion_tokens": num_completion,
-                    "total_tokens": num_prompt + num_completion,
-                },
+                usage=usage(num_prompt, num_completion),
             )
 
 
@@ -254,11 +248,5 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> list[CompletionOutput]:
     acc: dict[int, CompletionOutput] = {}
     async for out in stream:
         for o in out.outputs:
-            target = acc.setdefault(o.index, CompletionOutput(o.index, "", []))
-            target.text += o.text
-            target.token_ids += o.token_ids
-            if o.logprobs is not None:
-                target.logprobs = (target.logprobs or []) + o.logprobs
-            target.finish_reason = o.finish_reason
-            target.stop_reason = o.stop_reason
+            accumulate(acc.setdefault(o.index, CompletionOutput(o.index, "", [])), o)
     return [acc[i] for i in sorted(acc)]

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.api.common import (
+    accumulate,
     check_model,
     merge_streams,
     new_id,
@@ -17,6 +18,7 @@ from frontend.api.common import (
     sse,
     sse_with_errors,
     unless_disconnected,
+    usage,
 )
 from frontend.api.errors import APIError
 from frontend.api.openai_models import CompletionRequest
@@ -130,14 +132,7 @@ class CompletionServer:
             if out.prompt_logprobs is not None:
                 prompt_lps[prompt_idx] = out.prompt_logprobs
             for o in out.outputs:
-                target = acc[prompt_idx][o.index]
-                target.text += o.text
-                target.token_ids += o.token_ids
-                if o.logprobs is not None:
-                    target.logprobs = (target.logprobs or []) + o.logprobs
-                target.cumulative_logprob = o.cumulative_logprob
-                target.finish_reason = o.finish_reason
-                target.stop_reason = o.stop_reason
+                accumulate(acc[prompt_idx][o.index], o)
         return acc, prompt_lps
 
     def _response(
@@ -187,11 +182,7 @@ class CompletionServer:
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": num_prompt,
-                "completion_tokens": num_completion,
-                "total_tokens": num_prompt + num_completion,
-            },
+            "usage": usage(num_prompt, num_completion),
         }
 
     async def _stream(
@@ -257,10 +248,6 @@ class CompletionServer:
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": {
-                        "prompt_tokens": num_prompt,
-                        "completion_tokens": num_completion,
-                        "total_tokens": num_prompt + num_completion,
-                    },
+                    "usage": usage(num_prompt, num_completion),
                 }
             )

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,3 +101,21 @@ def wait_healthy(base_url: str, procs: Processes, timeout: float = 180.0) -> Non
 def ipc_address() -> str:
     directory = tempfile.mkdtemp(prefix="pagoda-test-")
     return f"ipc://{directory}/engine"
+
+
+@contextmanager
+def private_server(
+    directory: object, engine_flags: tuple[str, ...], *api_flags: str, name: str = "private"
+) -> Iterator[str]:
+    """An engine core and one API server of a test's own; yields the base URL."""
+    procs = Processes()
+    address = f"ipc://{directory}/engine"
+    port = free_port()
+    procs.start(engine_argv(address, *engine_flags), f"engine-{name}")
+    procs.start(api_argv(address, port, *api_flags), f"api-{name}")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, procs)
+        yield base
+    finally:
+        procs.stop()

@@ -11,7 +11,14 @@ import openai
 import pytest
 
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME
-from tests.frontend.servers import Processes, api_argv, engine_argv, free_port, wait_healthy
+from tests.frontend.servers import (
+    Processes,
+    api_argv,
+    engine_argv,
+    free_port,
+    private_server,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +63,7 @@ def test_tcp_engine_with_api_key_and_health_turning_503() -> None:
 
 
 def test_echo_with_logprobs(tmp_path: object) -> None:
-    procs = Processes()
-    address = f"ipc://{tmp_path}/engine"
-    port = free_port()
-    procs.start(engine_argv(address, *ENGINE_FLAGS), "engine-echo")
-    procs.start(api_argv(address, port), "api-echo")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, procs)
+    with private_server(tmp_path, ENGINE_FLAGS, name="echo") as base:
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         prompt = [1, 504, 3575, 282]
         out = c.completions.create(
@@ -75,5 +75,3 @@ def test_echo_with_logprobs(tmp_path: object) -> None:
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
         assert out.choices[0].text.startswith("The capital of")
-    finally:
-        procs.stop()

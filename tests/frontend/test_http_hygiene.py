@@ -6,7 +6,9 @@ import httpx
 import pytest
 
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME, Server
-from tests.frontend.servers import Processes, api_argv, engine_argv, free_port, wait_healthy
+from tests.frontend.servers import (
+    private_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,17 +49,15 @@ def test_cors_closed_by_default_request_id_and_413(server: Server) -> None:
 
 
 def test_cors_open_for_allowed_origins_and_preflight_needs_no_key(tmp_path: object) -> None:
-    procs = Processes()
-    address = f"ipc://{tmp_path}/engine"
-    port = free_port()
-    procs.start(engine_argv(address, *ENGINE_FLAGS), "engine-cors")
-    procs.start(
-        api_argv(address, port, "--allowed-origins", '["http://app.example"]', "--api-key", "k"),
-        "api-cors",
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, procs)
+    with private_server(
+        tmp_path,
+        ENGINE_FLAGS,
+        "--allowed-origins",
+        '["http://app.example"]',
+        "--api-key",
+        "k",
+        name="cors",
+    ) as base:
         r = httpx.options(base + "/v1/chat/completions", headers=PREFLIGHT)
         assert r.status_code == 200
         assert r.headers["access-control-allow-origin"] == "http://app.example"
@@ -67,5 +67,3 @@ def test_cors_open_for_allowed_origins_and_preflight_needs_no_key(tmp_path: obje
         assert other.headers.get("access-control-allow-origin") != "http://evil.example"
         r = httpx.get(base + "/v1/models", headers={"Origin": "http://app.example"})
         assert r.status_code == 401
-    finally:
-        procs.stop()

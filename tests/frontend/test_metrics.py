@@ -10,7 +10,9 @@ import openai
 import pytest
 
 from tests.frontend.conftest import MODEL_NAME
-from tests.frontend.servers import Processes, api_argv, engine_argv, free_port, wait_healthy
+from tests.frontend.servers import (
+    private_server,
+)
 
 from .conftest import ENGINE_FLAGS
 
@@ -30,14 +32,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def test_metrics_exact_after_known_workload(tmp_path: object) -> None:
-    procs = Processes()
-    address = f"ipc://{tmp_path}/engine"
-    port = free_port()
-    procs.start(engine_argv(address, *ENGINE_FLAGS), "engine-metrics")
-    procs.start(api_argv(address, port), "api-metrics")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, procs)
+    with private_server(tmp_path, ENGINE_FLAGS, name="metrics") as base:
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         for i in range(10):
             c.completions.create(
@@ -77,5 +72,3 @@ def test_metrics_exact_after_known_workload(tmp_path: object) -> None:
             time.sleep(0.3)
         assert re.search(r"^vllm:prefix_cache_queries_total", text, re.M)
         assert "vllm:cache_config_info" in text
-    finally:
-        procs.stop()
