@@ -29,7 +29,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget in bytes (default: min(4 GiB, 25%% of free memory) on CPU)",
     )
     g.add_argument("--seed", type=int, default=0)
+    _add_profiler_arg(g)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+
+
+def _add_profiler_arg(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--profiler-dir",
+        default=None,
+        help="enables /start_profile and /stop_profile; torch.profiler traces land here",
+    )
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
@@ -46,6 +55,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
         seed=ns.seed,
         num_threads=ns.num_threads,
+        profiler_dir=ns.profiler_dir,
     )
 
 

@@ -26,6 +26,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: a default from free memory
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
+    profiler_dir: str | None = None  # where start/stop_profile write traces
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

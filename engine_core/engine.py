@@ -8,6 +8,7 @@ client of the offline SDK both drive this class.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class EngineCore:
         started = time.monotonic()
         self.config = config
         self.engine_id = uuid.uuid4().hex[:8]
+        self._profiler: Any = None
         model_path = resolve_model_path(config.model)
         self.model_config: ModelConfig = load_model_config(model_path)
         self.executor = InProcessExecutor(config, self.model_config)
@@ -186,6 +188,35 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         self.scheduler.block_manager.reset_prefix_cache()
         return True
+
+    def start_profile(self) -> bool:
+        """Start a torch.profiler trace of the engine's steps."""
+        if self.config.profiler_dir is None:
+            raise ValueError("profiling is off: start the engine with --profiler-dir DIR")
+        if self._profiler is not None:
+            raise ValueError("a profile is already running")
+        import torch.profiler
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.executor.runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+        return True
+
+    def stop_profile(self) -> str:
+        """Stop the trace; returns the path of the Chrome/Perfetto trace file."""
+        if self._profiler is None:
+            raise ValueError("no profile is running")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        assert self.config.profiler_dir is not None
+        os.makedirs(self.config.profiler_dir, exist_ok=True)
+        path = os.path.join(
+            self.config.profiler_dir, f"pagoda-engine-{self.engine_id}-{int(time.time())}.json"
+        )
+        profiler.export_chrome_trace(path)
+        return path
 
     def get_stats(self) -> dict[str, Any]:
         bm = self.scheduler.block_manager

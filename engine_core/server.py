@@ -79,6 +79,8 @@ class EngineCoreServer:
         self._utilities = {
             "reset_prefix_cache": engine.reset_prefix_cache,
             "get_stats": engine.get_stats,
+            "start_profile": engine.start_profile,
+            "stop_profile": engine.stop_profile,
             "ping": lambda: "pong",
         }
 

@@ -221,6 +221,13 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))
 
+    async def start_profile(self) -> None:
+        await self.client.call_utility("start_profile")
+
+    async def stop_profile(self) -> str:
+        """Returns the trace file's path (on the engine's machine)."""
+        return str(await self.client.call_utility("stop_profile", timeout=120.0))
+
     async def get_stats(self) -> dict[str, Any]:
         return dict(await self.client.call_utility("get_stats"))
 

@@ -82,6 +82,8 @@ class InprocClient:
         utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": self.engine.reset_prefix_cache,
             "get_stats": self.engine.get_stats,
+            "start_profile": self.engine.start_profile,
+            "stop_profile": self.engine.stop_profile,
         }
         if method not in utilities:
             raise ValueError(f"unknown utility method {method!r}")

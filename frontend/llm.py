@@ -89,6 +89,14 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return bool(self.client.call_utility("reset_prefix_cache"))
 
+    def start_profile(self) -> None:
+        """Start a torch.profiler trace (needs profiler_dir=... at construction)."""
+        self.client.call_utility("start_profile")
+
+    def stop_profile(self) -> str:
+        """Stop the trace; returns the path of the trace file (Perfetto/Chrome)."""
+        return str(self.client.call_utility("stop_profile"))
+
     def _run(
         self,
         prompts: list[PromptType],

@@ -235,9 +235,27 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
     async def stats() -> JSONResponse:
         return JSONResponse(await engine.get_stats())
 
+    async def utility(call: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            return await call()
+        except RuntimeError as e:  # the engine refused: say why
+            raise APIError(400, str(e)[:300]) from None
+
     @app.post("/reset_prefix_cache")
+    @app.post("/reset-prefix-cache")
     async def reset_prefix_cache() -> Response:
-        await engine.reset_prefix_cache()
+        await utility(engine.reset_prefix_cache)
         return Response(status_code=200)
+
+    @app.post("/start_profile")
+    @app.post("/start-profile")
+    async def start_profile() -> Response:
+        await utility(engine.start_profile)
+        return Response(status_code=200)
+
+    @app.post("/stop_profile")
+    @app.post("/stop-profile")
+    async def stop_profile() -> dict[str, str]:
+        return {"trace": await utility(engine.stop_profile)}
 
     return app
