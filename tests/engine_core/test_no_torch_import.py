@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.no_torch import assert_imports_no_torch
 
 TORCH_FREE_MODULES = (
     "protocol",
@@ -19,16 +18,4 @@ TORCH_FREE_MODULES = (
 
 
 def test_scheduler_side_imports_no_torch() -> None:
-    # A fresh interpreter: this one has torch loaded by other tests.
-    code = "\n".join(
-        [
-            "import importlib, sys",
-            *(f"importlib.import_module({name!r})" for name in TORCH_FREE_MODULES),
-            "print('torch' in sys.modules)",
-        ]
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False", "torch was imported"
+    assert_imports_no_torch(TORCH_FREE_MODULES)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.no_torch import assert_imports_no_torch
 
 FRONTEND_MODULES = (
     "frontend",
@@ -22,15 +21,4 @@ FRONTEND_MODULES = (
 
 
 def test_frontend_imports_no_torch() -> None:
-    code = "\n".join(
-        [
-            "import importlib, sys",
-            *(f"importlib.import_module({name!r})" for name in FRONTEND_MODULES),
-            "print('torch' in sys.modules)",
-        ]
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False", "torch was imported by the frontend"
+    assert_imports_no_torch(FRONTEND_MODULES)
