@@ -11,6 +11,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from engine_core.model_config import (
 )
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
+from engine_core.structured_output import StructuredOutputManager
 from engine_core.tokenizer_files import tokenizer_dir_for
 from protocol.messages import PROTOCOL_VERSION, AddRequest, Ready, RequestDelta, SchedulerStats
 
@@ -66,6 +68,12 @@ class EngineCore:
         name = config.served_model_name or (
             DEFAULT_MODEL_NAME if config.model is None else config.model
         )
+        self.structured_output = StructuredOutputManager(
+            tokenizer_dir_for(model_path),
+            self.model_config.vocab_size,
+            list(self.model_config.eos_token_ids),
+        )
+        self._compiling: dict[str, Request] = {}
         self.info = EngineInfo(
             model_name=name,
             model_path=model_path,
@@ -126,18 +134,21 @@ class EngineCore:
         error = self._validate(msg)
         if error is not None:
             return RequestDelta(msg.request_id, [], finish_reason="error", error=error)
-        self.scheduler.add_request(
-            Request(
-                request_id=msg.request_id,
-                prompt_token_ids=msg.prompt_token_ids,
-                sampling_params=msg.sampling_params,
-                eos_token_ids=list(self.info.eos_token_ids),
-                arrival_time=msg.arrival_time,
-                client_id=client_id,
-                priority=msg.priority,
-                lora_name=msg.lora_name,
-            )
+        request = Request(
+            request_id=msg.request_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling_params=msg.sampling_params,
+            eos_token_ids=list(self.info.eos_token_ids),
+            arrival_time=msg.arrival_time,
+            client_id=client_id,
+            priority=msg.priority,
+            lora_name=msg.lora_name,
         )
+        constraint = msg.sampling_params.structured_outputs
+        if constraint is not None:
+            request.grammar = self.structured_output.compile_async(constraint)
+            self._compiling[request.request_id] = request
+        self.scheduler.add_request(request)
         return None
 
     def _validate(self, msg: AddRequest) -> str | None:
@@ -174,11 +185,35 @@ class EngineCore:
 
     def step(self) -> list[tuple[Request, RequestDelta]]:
         """schedule → execute → update."""
+        failed = self._reap_grammars()
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids:
-            return []
+            if not failed and self._compiling:
+                # Only grammars in flight: wait for one rather than spin.
+                wait([r.grammar for r in self._compiling.values() if r.grammar], timeout=0.02)
+            return failed
         result = self.executor.execute(plan)
-        return self.scheduler.update(plan, result)
+        return failed + self.scheduler.update(plan, result)
+
+    def _reap_grammars(self) -> list[tuple[Request, RequestDelta]]:
+        """Forget compiled grammars' requests; fail those whose grammar did not compile."""
+        failed: list[tuple[Request, RequestDelta]] = []
+        for request_id, request in list(self._compiling.items()):
+            grammar = request.grammar
+            if request.is_finished or grammar is None:
+                del self._compiling[request_id]
+                continue
+            if not grammar.done():
+                continue
+            del self._compiling[request_id]
+            error = grammar.exception()
+            if error is None:
+                continue
+            self.scheduler.finish_requests([request_id], "error")
+            failed.append(
+                (request, RequestDelta(request_id, [], finish_reason="error", error=str(error)))
+            )
+        return failed
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from engine_core.model_config import ModelConfig
 from engine_core.models.llama import LlamaModel
 from engine_core.plan import NewRequestData, SchedulePlan, StepResult
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
+from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
 from engine_core.weights import load_weights
 from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
 from protocol.sampling_params import SamplingParams
@@ -64,6 +66,7 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    matcher: Any = None  # xgrammar GrammarMatcher of a constrained request
 
 
 class ModelRunner:
@@ -141,6 +144,11 @@ class ModelRunner:
             # A request resumed after preemption continues its random stream.
             for _ in range(new.num_output_tokens):
                 torch.empty(self.model_config.vocab_size).exponential_(generator=generator)
+        output_token_ids = list(new.token_ids[new.num_prompt_tokens :])
+        matcher = None
+        if new.grammar is not None:
+            # After preemption the matcher replays what was already generated.
+            matcher = new_matcher(new.grammar, output_token_ids)
         self.requests[new.request_id] = CachedRequestState(
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
@@ -148,7 +156,8 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
             params=p,
             generator=generator,
-            output_token_ids=list(new.token_ids[new.num_prompt_tokens :]),
+            output_token_ids=output_token_ids,
+            matcher=matcher,
         )
 
     @torch.inference_mode()
@@ -234,12 +243,17 @@ class ModelRunner:
             )
         if sample_ids:
             logits = self.model.compute_logits(hidden[logit_rows]).cpu()  # [num_sample, vocab]
-            rows = [self._sampling_row(self.requests[r]) for r in sample_ids]
-            token_ids, logprobs = sample(logits, rows)
+            states = [self.requests[r] for r in sample_ids]
+            constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
+            if constrained:
+                apply_grammar_bitmask(logits, constrained)
+            token_ids, logprobs = sample(logits, [self._sampling_row(s) for s in states])
             for request_id, token_id, lp in zip(sample_ids, token_ids, logprobs, strict=True):
                 state = self.requests[request_id]
                 state.token_ids.append(token_id)
                 state.output_token_ids.append(token_id)
+                if state.matcher is not None and advance_matcher(state.matcher, token_id):
+                    result.grammar_terminated.add(request_id)
                 result.sampled_token_ids[request_id] = token_id
                 if lp is not None:
                     result.logprobs[request_id] = lp

@@ -7,6 +7,7 @@ full; continuing ones as small diffs against the runner's cached state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from protocol.messages import Logprobs
 from protocol.sampling_params import SamplingParams
@@ -24,6 +25,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     # Generators of seeded requests must continue where they left off.
     num_output_tokens: int = 0
+    # An xgrammar CompiledGrammar when the output is constrained.
+    grammar: Any = None
 
 
 @dataclass
@@ -61,3 +64,5 @@ class StepResult:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # request id -> logprobs of prompt positions [start, end) computed this step
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    # Requests whose grammar reached its end with this step's token.
+    grammar_terminated: set[str] = field(default_factory=set)

@@ -8,6 +8,8 @@ prefix-cache hit and a recompute after preemption are all "computed < total".
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
+from typing import Any
 
 from protocol.messages import Logprobs
 from protocol.sampling_params import SamplingParams
@@ -53,6 +55,15 @@ class Request:
         # Prompt logprobs computed so far (filled chunk by chunk); nothing
         # predicts the first prompt token.
         self.prompt_logprobs: list[Logprobs | None] = [None]
+        # The compiled output grammar, when structured_outputs is set; the
+        # request waits until compilation is done.
+        self.grammar: Future[Any] | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        """Schedulable: no grammar, or one that compiled (the engine reaps failures)."""
+        g = self.grammar
+        return g is None or (g.done() and g.exception() is None)
 
     @property
     def num_prompt_tokens(self) -> int:

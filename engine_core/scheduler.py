@@ -109,7 +109,10 @@ class Scheduler:
         while self.waiting and not preempted_now and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
-            request = self.waiting[0]
+            ready = next((r for r in self.waiting if r.is_ready), None)
+            if ready is None:
+                break  # the rest wait for their grammars to compile
+            request = ready
             computed: list[int] = []
             num_hit = 0
             if request.sampling_params.prompt_logprobs is None:
@@ -118,7 +121,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -135,6 +138,7 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     sampling_params=request.sampling_params,
                     num_output_tokens=request.num_output_tokens,
+                    grammar=request.grammar.result() if request.grammar is not None else None,
                 )
             )
             self._runner_known.add(request.request_id)
@@ -171,6 +175,9 @@ class Scheduler:
             is_first = request.num_output_tokens == 0
             request.append_output_token(token_id)
             done = request.check_stop(self.max_model_len)
+            if not done and request_id in result.grammar_terminated:
+                request.finish_reason = "stop"
+                done = True
             logprobs = result.logprobs.get(request_id)
             delta = RequestDelta(
                 request_id=request_id,

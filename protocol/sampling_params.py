@@ -11,6 +11,68 @@ import msgspec
 
 _INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
+MAX_GRAMMAR_SPEC_CHARS = 64_000
+MAX_CHOICES = 256
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One output constraint (vLLM's `structured_outputs`): exactly one kind is set.
+
+    `json` is a JSON schema serialized as text, so that it hashes and caches as
+    one key; the engine compiles it (and the others) with xgrammar.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF-style) text
+    json_object: bool = False
+    # Free whitespace in JSON output; compact JSON by default keeps small
+    # models from wandering into endless newlines.
+    any_whitespace: bool = False
+
+    @property
+    def kind(self) -> str:
+        kinds = self.kinds()
+        return kinds[0] if kinds else ""
+
+    def kinds(self) -> list[str]:
+        set_kinds = [
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+        ]
+        if self.json_object:
+            set_kinds.append("json_object")
+        return set_kinds
+
+    def validate(self) -> None:
+        kinds = self.kinds()
+        _check(
+            len(kinds) == 1,
+            "structured_outputs",
+            "structured_outputs needs exactly one of json, regex, choice, grammar, "
+            f"json_object; got {kinds or 'none'}",
+        )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(bool(value.strip()), "structured_outputs", f"{name} must not be empty")
+                _check(
+                    len(value) <= MAX_GRAMMAR_SPEC_CHARS,
+                    "structured_outputs",
+                    f"{name} is longer than {MAX_GRAMMAR_SPEC_CHARS} characters",
+                )
+        if self.choice is not None:
+            _check(
+                0 < len(self.choice) <= MAX_CHOICES,
+                "structured_outputs",
+                f"choice needs 1 to {MAX_CHOICES} options",
+            )
+            _check(all(self.choice), "structured_outputs", "choice options must not be empty")
+            _check(
+                sum(map(len, self.choice)) <= MAX_GRAMMAR_SPEC_CHARS,
+                "structured_outputs",
+                "choice options are too long",
+            )
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -36,6 +98,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +176,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     name,
                     f"{name} must be in [0, {MAX_LOGPROBS}], got {value}",
                 )
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         _check(len(self.stop) <= 64, "stop", "at most 64 stop strings are allowed")
         _check(all(self.stop), "stop", "stop strings must not be empty")
         _check(len(self.stop_token_ids) <= 1024, "stop_token_ids", "too many stop_token_ids")

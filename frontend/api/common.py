@@ -13,6 +13,7 @@ from fastapi import Request
 
 from frontend.api.errors import APIError, error_json
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
+from frontend.api.structured_outputs import constraint_from
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
 from frontend.outputs import CompletionOutput
@@ -70,6 +71,9 @@ def sampling_params_from(
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_outputs=constraint_from(
+            req.response_format, req.structured_outputs, req.model_extra
+        ),
     )
     return params
 

@@ -88,10 +88,6 @@ class ChatServer:
     def render(self, req: ChatCompletionRequest) -> str:
         if req.tool_choice not in (None, "none", "auto") and not req.tools:
             raise APIError(400, "tool_choice requires tools", "tool_choice")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise APIError(
-                400, "response_format other than text is not supported yet", "response_format"
-            )
         try:
             return self.engine.tokenizer.apply_chat_template(
                 messages_to_dicts(req),
