@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from frontend.api.tool_calls import TOOL_CALL_PARSERS
+
 
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("api server")
@@ -38,6 +40,17 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "--max-request-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413"
     )
     g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how tool calls are found in the model's text",
+    )
 
 
 def _str_list(value: str) -> list[str]:
@@ -67,6 +80,10 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--api-key", key]
     if ns.chat_template:
         argv += ["--chat-template", ns.chat_template]
+    if ns.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    if ns.tool_call_parser:
+        argv += ["--tool-call-parser", ns.tool_call_parser]
     return argv
 
 
@@ -114,6 +131,7 @@ async def serve(ns: argparse.Namespace) -> int:
         allowed_methods=tuple(ns.allowed_methods),
         allowed_headers=tuple(ns.allowed_headers),
         max_request_body_bytes=ns.max_request_body_bytes,
+        tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
     )
     sock = bind_socket(ns.host, ns.port)
     try:
@@ -152,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_frontend_args(parser)
     ns = parser.parse_args(argv)
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -48,6 +48,8 @@ class FrontendConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     max_request_body_bytes: int = 8 << 20
+    # Set only with --enable-auto-tool-choice: tool_choice "auto" is refused without it.
+    tool_call_parser: str | None = None
 
 
 def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
@@ -55,7 +57,7 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
     install_error_handlers(app)
     served = [config.served_model_name or engine.model_name]
     completions = CompletionServer(engine, served)
-    chat = ChatServer(engine, served)
+    chat = ChatServer(engine, served, config.tool_call_parser)
     app.state.engine = engine
     metrics = FrontendMetrics(served[0])
     metrics.add_engine_collector(

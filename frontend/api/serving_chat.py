@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -21,6 +22,13 @@ from frontend.api.common import (
 )
 from frontend.api.errors import APIError
 from frontend.api.openai_models import ChatCompletionRequest
+from frontend.api.tool_calls import (
+    ToolCallStream,
+    ToolRequest,
+    check_tools,
+    history_for_template,
+    reply_message,
+)
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from frontend.tokenizer import ChatTemplateError
@@ -81,16 +89,21 @@ def chat_logprobs(
 class ChatServer:
     """Handles /v1/chat/completions for one AsyncLLM."""
 
-    def __init__(self, engine: AsyncLLM, served_names: list[str]) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_names: list[str], tool_parser: str | None = None
+    ) -> None:
         self.engine = engine
         self.served_names = served_names
+        self.tool_parser = tool_parser
+
+    def tool_request(self, req: ChatCompletionRequest) -> ToolRequest:
+        return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
 
     def render(self, req: ChatCompletionRequest) -> str:
-        if req.tool_choice not in (None, "none", "auto") and not req.tools:
-            raise APIError(400, "tool_choice requires tools", "tool_choice")
+        self.tool_request(req)
         try:
             return self.engine.tokenizer.apply_chat_template(
-                messages_to_dicts(req),
+                history_for_template(messages_to_dicts(req)),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tools=req.tools,
@@ -110,6 +123,17 @@ class ChatServer:
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = sampling_params_from(req, max_tokens, logprobs)
+        tools = self.tool_request(req)
+        forced = tools.constraint()
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise APIError(
+                    400,
+                    "a required or named tool_choice cannot be combined with another "
+                    "output constraint",
+                    "tool_choice",
+                )
+            params = msgspec.structs.replace(params, structured_outputs=forced)
         prompt = self.render(req)
         prompt_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
         request_id = new_id("chatcmpl")
@@ -121,18 +145,18 @@ class ChatServer:
             # Validation errors must be a 400, not an in-stream error: start it first.
             first = await anext(stream)
             events = self._stream(
-                req, params, len(prompt_ids), first, stream, request_id, created, model
+                req, params, tools, len(prompt_ids), first, stream, request_id, created, model
             )
             return StreamingResponse(sse_with_errors(events), media_type="text/event-stream")
         final = await unless_disconnected(raw, _last(stream))
         return JSONResponse(
-            self._response(req, params, len(prompt_ids), final, request_id, created, model)
+            self._response(req, tools, len(prompt_ids), final, request_id, created, model)
         )
 
     def _response(
         self,
         req: ChatCompletionRequest,
-        params: SamplingParams,
+        tools: ToolRequest,
         num_prompt: int,
         outputs: list[CompletionOutput],
         request_id: str,
@@ -148,12 +172,16 @@ class ChatServer:
                         self.engine, out.token_ids, out.logprobs, req.top_logprobs or 0
                     )
                 }
+            message = reply_message(tools, self.tool_parser, out.text)
+            finish = out.finish_reason
+            if message["tool_calls"] and finish == "stop":
+                finish = "tool_calls"
             choices.append(
                 {
                     "index": out.index,
-                    "message": {"role": "assistant", "content": out.text, "tool_calls": []},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": out.stop_reason,
                 }
             )
@@ -171,6 +199,7 @@ class ChatServer:
         self,
         req: ChatCompletionRequest,
         params: SamplingParams,
+        tools: ToolRequest,
         num_prompt: int,
         first: RequestOutput,
         rest: AsyncIterator[RequestOutput],
@@ -204,6 +233,7 @@ class ChatServer:
                 ]
             )
         num_completion = 0
+        streams = [ToolCallStream(tools, self.tool_parser) for _ in range(params.n)]
 
         async def all_outputs() -> AsyncIterator[RequestOutput]:
             yield first
@@ -220,14 +250,17 @@ class ChatServer:
                             self.engine, o.token_ids, o.logprobs, req.top_logprobs or 0
                         )
                     }
-                delta = {"content": o.text} if o.text or o.finish_reason is None else {}
+                tool_stream = streams[o.index]
+                delta = tool_stream.delta(o.text, o.finish_reason is not None)
+                if not delta and o.finish_reason is None and tools.mode == "none":
+                    delta = {"content": ""}
                 yield chunk(
                     [
                         {
                             "index": o.index,
                             "delta": delta,
                             "logprobs": logprobs,
-                            "finish_reason": o.finish_reason,
+                            "finish_reason": tool_stream.finish_reason(o.finish_reason),
                             "stop_reason": o.stop_reason,
                         }
                     ]

@@ -48,7 +48,9 @@ def server() -> Iterator[Server]:
     address = ipc_address()
     port = free_port()
     procs.start(engine_argv(address, *ENGINE_FLAGS), "engine")
-    procs.start(api_argv(address, port), "api")
+    procs.start(
+        api_argv(address, port, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"), "api"
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, procs)
