@@ -123,9 +123,7 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise APIError(
-                400, 'a tool is {"type": "function", "function": {...}}', f"tools.{i}"
-            )
+            raise APIError(400, 'a tool is {"type": "function", "function": {...}}', f"tools.{i}")
         name = fn.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
             raise APIError(
