@@ -115,6 +115,28 @@ class ChatServer:
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
         model = check_model(self.engine, self.served_names, req.model)
+        params, tools, prompt, prompt_ids = self.prepare(req)
+        request_id = new_id("chatcmpl")
+        created = now()
+        stream = self.engine.generate_tokens(
+            prompt, prompt_ids, params, request_id, priority=req.priority
+        )
+        if req.stream:
+            # Validation errors must be a 400, not an in-stream error: start it first.
+            first = await anext(stream)
+            events = self._stream(
+                req, params, tools, len(prompt_ids), first, stream, request_id, created, model
+            )
+            return StreamingResponse(sse_with_errors(events), media_type="text/event-stream")
+        final = await unless_disconnected(raw, _last(stream))
+        return JSONResponse(
+            self._response(req, tools, len(prompt_ids), final, request_id, created, model)
+        )
+
+    def prepare(
+        self, req: ChatCompletionRequest
+    ) -> tuple[SamplingParams, ToolRequest, str, list[int]]:
+        """Checked sampling params, tool request, rendered prompt and its token ids."""
         top = req.top_logprobs
         if top is not None and top > MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be at most {MAX_LOGPROBS}", "top_logprobs")
@@ -136,22 +158,7 @@ class ChatServer:
             params = msgspec.structs.replace(params, structured_outputs=forced)
         prompt = self.render(req)
         prompt_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
-        request_id = new_id("chatcmpl")
-        created = now()
-        stream = self.engine.generate_tokens(
-            prompt, prompt_ids, params, request_id, priority=req.priority
-        )
-        if req.stream:
-            # Validation errors must be a 400, not an in-stream error: start it first.
-            first = await anext(stream)
-            events = self._stream(
-                req, params, tools, len(prompt_ids), first, stream, request_id, created, model
-            )
-            return StreamingResponse(sse_with_errors(events), media_type="text/event-stream")
-        final = await unless_disconnected(raw, _last(stream))
-        return JSONResponse(
-            self._response(req, tools, len(prompt_ids), final, request_id, created, model)
-        )
+        return params, tools, prompt, prompt_ids
 
     def _response(
         self,
