@@ -26,6 +26,7 @@ from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.api.serving_anthropic import build_router as build_anthropic_router
 from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
+from frontend.api.serving_responses import build_router as build_responses_router
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
 from frontend.metrics import EngineStatsCollector, FrontendMetrics
@@ -228,6 +229,7 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
 
     app.include_router(build_tokenize_router(engine, served, chat))
     app.include_router(build_anthropic_router(engine, served))
+    app.include_router(build_responses_router(engine, served, chat, counted))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
