@@ -228,7 +228,7 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
         raise APIError(400, "expected a chat (messages) or completions (prompt) request body")
 
     app.include_router(build_tokenize_router(engine, served, chat))
-    app.include_router(build_anthropic_router(engine, served))
+    app.include_router(build_anthropic_router(engine, served, chat))
     app.include_router(build_responses_router(engine, served, chat, counted))
 
     @app.get("/metrics")

@@ -1,10 +1,12 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API.
 
-Messages (text, tool_use and tool_result blocks) and the system prompt are
-mapped onto the chat template's roles; the reply comes back as Anthropic
-content blocks, streamed with the full event sequence (message_start,
-content_block_start, ping, content_block_delta..., content_block_stop,
-message_delta, message_stop). Errors use Anthropic's shape.
+A Messages request is translated into a chat request (text, tool_use and
+tool_result blocks onto the chat template's roles; tools and tool_choice
+onto chat's), so prompts, tool parsing and forced tool choices behave as on
+/v1/chat/completions. The reply comes back as text and tool_use blocks,
+streamed with the full event sequence (message_start, content_block_start,
+ping, content_block_delta..., content_block_stop, message_delta,
+message_stop). Errors use Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.api.common import as_api_error, check_model, unless_disconnected
 from frontend.api.errors import APIError, anthropic_error_body
+from frontend.api.openai_models import ChatCompletionRequest
+from frontend.api.serving_chat import ChatServer
+from frontend.api.tool_calls import ToolCallStream, ToolRequest
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
-from frontend.tokenizer import ChatTemplateError
-from protocol.sampling_params import SamplingParams
 
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
 
@@ -59,6 +62,7 @@ class CountTokensRequest(BaseModel):
     messages: list[AnthropicMessage] = Field(..., min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
 
 
 def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
@@ -123,39 +127,152 @@ def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str
     return out
 
 
-def _tools_for_template(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": t.get("name"),
-                "description": t.get("description", ""),
-                "parameters": t.get("input_schema", {}),
-            },
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool.get("name"), str):
+            raise APIError(400, "every tool needs a string name", f"tools.{i}.name")
+        fn = {
+            "name": tool["name"],
+            "description": tool.get("description", ""),
+            "parameters": tool.get("input_schema", {"type": "object"}),
         }
-        for t in tools
-    ]
+        out.append({"type": "function", "function": fn})
+    return out
 
 
-def build_router(engine: AsyncLLM, served: list[str]) -> APIRouter:
+def _chat_tool_choice(
+    choice: dict[str, Any] | None, has_tools: bool
+) -> tuple[str | dict[str, Any] | None, bool | None]:
+    """Anthropic tool_choice → chat's (tool_choice, parallel_tool_calls)."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return ("auto" if has_tools else None), parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise APIError(
+        400, 'tool_choice.type must be auto, any, none or tool (with a "name")', "tool_choice"
+    )
+
+
+def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request an Anthropic request means."""
+    tools = _chat_tools(req.tools)
+    choice, parallel = _chat_tool_choice(req.tool_choice, bool(tools))
+    body: dict[str, Any] = {"messages": to_chat_messages(req), "tools": tools}
+    if choice is not None:
+        body["tool_choice"] = choice
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    if isinstance(req, MessagesRequest):
+        body |= {
+            "max_tokens": req.max_tokens,
+            "stop": req.stop_sequences,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+        }
+    return ChatCompletionRequest.model_validate(body)
+
+
+def _stop_reason(finish: str | None, stop: object, made_calls: bool) -> str:
+    if isinstance(stop, str):
+        return "stop_sequence"
+    if made_calls and finish == "stop":
+        return "tool_use"
+    return _STOP_REASONS.get(finish or "stop", "end_turn")
+
+
+class BlockBuilder:
+    """Turns the reply's text, piece by piece, into content blocks and stream events."""
+
+    def __init__(self, tools: ToolRequest, parser: str | None) -> None:
+        self.calls = ToolCallStream(tools, parser)
+        self.blocks: list[dict[str, Any]] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []  # since the last take_events()
+        self._open: dict[str, Any] | None = None
+        self._arguments = ""
+
+    def feed(self, text: str, finished: bool) -> None:
+        delta = self.calls.delta(text, finished)
+        if delta.get("content"):
+            if self._open is None or self._open["type"] != "text":
+                self._start({"type": "text", "text": ""})
+            self._open_block()["text"] += delta["content"]
+            self._delta({"type": "text_delta", "text": delta["content"]})
+        for call in delta.get("tool_calls", []):
+            fn = call["function"]
+            if "id" in call:
+                tool_id = "toolu_" + call["id"].removeprefix("call_")
+                self._start({"type": "tool_use", "id": tool_id, "name": fn["name"], "input": {}})
+            arguments = fn.get("arguments", "")
+            if arguments and self._open is not None and self._open["type"] == "tool_use":
+                self._arguments += arguments
+                self._delta({"type": "input_json_delta", "partial_json": arguments})
+        if finished:
+            self._stop()
+
+    def take_events(self) -> list[tuple[str, dict[str, Any]]]:
+        events, self.events = self.events, []
+        return events
+
+    @property
+    def made_calls(self) -> bool:
+        return any(b["type"] == "tool_use" for b in self.blocks)
+
+    def _open_block(self) -> dict[str, Any]:
+        assert self._open is not None
+        return self._open
+
+    def _start(self, block: dict[str, Any]) -> None:
+        self._stop()
+        self._open = block
+        self.blocks.append(block)
+        start = {"type": "content_block_start", "index": len(self.blocks) - 1}
+        self.events.append(("content_block_start", start | {"content_block": dict(block)}))
+
+    def _delta(self, delta: dict[str, Any]) -> None:
+        index = len(self.blocks) - 1
+        self.events.append(
+            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+        )
+
+    def _stop(self) -> None:
+        if self._open is None:
+            return
+        if self._open["type"] == "tool_use":
+            try:
+                value = json.loads(self._arguments or "{}")
+            except ValueError:
+                value = {}  # cut off by max_tokens: no usable input
+            self._open["input"] = value if isinstance(value, dict) else {"value": value}
+            self._arguments = ""
+        self._open = None
+        index = len(self.blocks) - 1
+        self.events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+
+
+def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRouter:
     router = APIRouter()
-    tokenizer = engine.tokenizer
-
-    def render(req: MessagesRequest | CountTokensRequest) -> list[int]:
-        try:
-            text = tokenizer.apply_chat_template(
-                to_chat_messages(req), tools=_tools_for_template(req.tools)
-            )
-        except ChatTemplateError as e:
-            raise APIError(400, str(e)[:500], "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
 
     @router.post("/v1/messages/count_tokens")
-    async def count_tokens(req: CountTokensRequest) -> dict[str, int]:
-        check_model(engine, served, req.model)
-        return {"input_tokens": len(render(req))}
+    async def count_tokens(req: CountTokensRequest) -> Any:
+        try:
+            check_model(engine, served, req.model)
+            _params, _tools, _prompt, prompt_ids = chat.prepare(to_chat_request(req))
+        except Exception as e:  # noqa: BLE001 - every failure in Anthropic's shape
+            err = as_api_error(e)
+            return JSONResponse(anthropic_error_body(err), status_code=err.status)
+        return {"input_tokens": len(prompt_ids)}
 
     @router.post("/v1/messages")
     async def messages(req: MessagesRequest, raw: Request) -> Any:
@@ -167,32 +284,24 @@ def build_router(engine: AsyncLLM, served: list[str]) -> APIRouter:
 
     async def _create(req: MessagesRequest, raw: Request) -> Any:
         model = check_model(engine, served, req.model)
-        prompt_ids = render(req)
-        params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            max_tokens=req.max_tokens,
-            stop=list(req.stop_sequences or []),
-        )
+        params, tools, prompt, prompt_ids = chat.prepare(to_chat_request(req))
         message_id = f"msg_{uuid.uuid4().hex}"
-        stream = engine.generate_tokens(None, prompt_ids, params, message_id)
+        stream = engine.generate_tokens(prompt, prompt_ids, params, message_id)
+        builder = BlockBuilder(tools, chat.tool_parser)
         if req.stream:
             first = await anext(stream)
             return StreamingResponse(
-                _events(message_id, model, len(prompt_ids), first, stream),
+                _events(message_id, model, len(prompt_ids), builder, first, stream),
                 media_type="text/event-stream",
             )
-        text, num_out, finish, stop = await unless_disconnected(raw, _collect(stream))
+        num_out, finish, stop = await unless_disconnected(raw, _collect(stream, builder))
         return {
             "id": message_id,
             "type": "message",
             "role": "assistant",
             "model": model,
-            "content": [{"type": "text", "text": text}],
-            "stop_reason": "stop_sequence"
-            if isinstance(stop, str)
-            else _STOP_REASONS.get(finish or "stop", "end_turn"),
+            "content": builder.blocks,
+            "stop_reason": _stop_reason(finish, stop, builder.made_calls),
             "stop_sequence": stop if isinstance(stop, str) else None,
             "usage": {"input_tokens": len(prompt_ids), "output_tokens": num_out},
         }
@@ -200,14 +309,16 @@ def build_router(engine: AsyncLLM, served: list[str]) -> APIRouter:
     return router
 
 
-async def _collect(stream: AsyncIterator[RequestOutput]) -> tuple[str, int, str | None, Any]:
-    text, num_out, finish, stop = "", 0, None, None
+async def _collect(
+    stream: AsyncIterator[RequestOutput], builder: BlockBuilder
+) -> tuple[int, str | None, Any]:
+    num_out, finish, stop = 0, None, None
     async for out in stream:
         for o in out.outputs:
-            text += o.text
             num_out += len(o.token_ids)
             finish, stop = o.finish_reason or finish, o.stop_reason
-    return text, num_out, finish, stop
+            builder.feed(o.text, o.finish_reason is not None)
+    return num_out, finish, stop
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
@@ -218,6 +329,7 @@ async def _events(
     message_id: str,
     model: str,
     num_prompt: int,
+    builder: BlockBuilder,
     first: RequestOutput,
     rest: AsyncIterator[RequestOutput],
 ) -> AsyncIterator[str]:
@@ -237,11 +349,7 @@ async def _events(
             },
         },
     )
-    yield _event(
-        "content_block_start",
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-    )
-    yield _event("ping", {"type": "ping"})
+    pinged = False
     num_out, finish, stop = 0, None, None
     try:
         outputs = [first]
@@ -250,33 +358,26 @@ async def _events(
                 for o in out.outputs:
                     num_out += len(o.token_ids)
                     finish, stop = o.finish_reason or finish, o.stop_reason
-                    if o.text:
-                        yield _event(
-                            "content_block_delta",
-                            {
-                                "type": "content_block_delta",
-                                "index": 0,
-                                "delta": {"type": "text_delta", "text": o.text},
-                            },
-                        )
+                    builder.feed(o.text, o.finish_reason is not None)
+            for name, data in builder.take_events():
+                yield _event(name, data)
+                if not pinged:  # Anthropic pings right after the first block starts
+                    pinged = True
+                    yield _event("ping", {"type": "ping"})
             nxt = await anext(rest, None)
             outputs = [nxt] if nxt is not None else []
     except Exception as e:  # noqa: BLE001 - reported in-band once the stream has started
         err = as_api_error(e)
         yield _event("error", anthropic_error_body(err))
         return
-    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-    reason = (
-        "stop_sequence"
-        if isinstance(stop, str)
-        else _STOP_REASONS.get(finish or "stop", "end_turn")
-    )
+    if not pinged:
+        yield _event("ping", {"type": "ping"})
     yield _event(
         "message_delta",
         {
             "type": "message_delta",
             "delta": {
-                "stop_reason": reason,
+                "stop_reason": _stop_reason(finish, stop, builder.made_calls),
                 "stop_sequence": stop if isinstance(stop, str) else None,
             },
             "usage": {"output_tokens": num_out},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from tests.frontend.conftest import MODEL_NAME, Server
@@ -104,3 +105,90 @@ def test_errors_in_anthropic_shape(server: Server, body: dict, status: int) -> N
     assert r.status_code == status, r.text
     payload = r.json()
     assert payload["type"] == "error" and payload["error"]["type"] and payload["error"]["message"]
+
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
+def test_tool_use_blocks(server: Server, choice: dict) -> None:
+    c = client(server)
+    kwargs: dict = dict(
+        model=MODEL_NAME,
+        max_tokens=80,
+        messages=ASK_WEATHER,
+        tools=[WEATHER_TOOL],
+        tool_choice=choice,
+        extra_body={"temperature": 0},
+    )
+    msg = c.messages.create(**kwargs)
+    assert msg.stop_reason == "tool_use"
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert len(uses) >= 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
+    jsonschema.validate(uses[0].input, WEATHER_TOOL["input_schema"])
+    with c.messages.stream(**kwargs) as s:
+        events = [e.type for e in s]
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use"
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    assert [b.input for b in streamed] == [b.input for b in uses]
+    assert "input_json" in events  # the SDK saw input_json_delta pieces
+
+
+def test_tool_result_round_trip(server: Server) -> None:
+    c = client(server)
+    msg = c.messages.create(
+        model=MODEL_NAME,
+        max_tokens=20,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "none"},
+        messages=[
+            *ASK_WEATHER,
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "get_weather",
+                        "input": {"city": "Paris"},
+                    }
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "22 C, sunny"}
+                ],
+            },
+        ],
+        extra_body={"temperature": 0},
+    )  # type: ignore[arg-type]
+    assert msg.content[0].type == "text" and msg.content[0].text
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "sometimes"}},
+        {"tools": [{"description": "no name"}]},
+        {"tool_choice": {"type": "any"}},
+    ],
+)
+def test_bad_tools_are_400(server: Server, extra: dict) -> None:
+    body = {"model": MODEL_NAME, "max_tokens": 5, "messages": ASK_WEATHER, **extra}
+    r = httpx.post(server.base_url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error"
