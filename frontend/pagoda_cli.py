@@ -1,4 +1,5 @@
-"""`pagoda serve`: one engine core and N API servers, supervised together.
+"""`pagoda serve`: one engine core and N API servers, supervised together;
+`pagoda run-batch`: a JSONL batch file answered offline (frontend/run_batch.py).
 
 If any child exits, the others are stopped and `pagoda` exits non-zero
 naming it; SIGINT or SIGTERM stops all of them.
@@ -17,7 +18,9 @@ import time
 
 from engine_core.addresses import default_ipc_address
 from engine_core.args import add_engine_args, engine_args_to_argv
+from frontend.api.tool_calls import TOOL_CALL_PARSERS
 from frontend.cli import add_frontend_args, frontend_args_to_argv
+from frontend.run_batch import add_run_batch_args, run_batch
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -87,7 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-server-count", type=int, default=1)
     serve.add_argument("--address", default=None, help="the engine core's address")
     serve.add_argument("model_tag", nargs="?", default=None, help="same as --model")
+    batch = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI batch requests")
+    add_engine_args(batch)
+    add_run_batch_args(batch)
+    batch.add_argument("--chat-template", default=None, help="a jinja template file or string")
+    batch.add_argument("--enable-auto-tool-choice", action="store_true")
+    batch.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None)
     ns = parser.parse_args(argv)
+    if ns.command == "run-batch":
+        if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+            parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+        return run_batch(ns)
     if ns.command == "serve":
         if ns.model_tag and not ns.model:
             ns.model = ns.model_tag
