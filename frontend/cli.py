@@ -11,10 +11,14 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from frontend.api.tool_calls import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:
+    from frontend.api.mcp_tools import ToolServer
 
 
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +48,13 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-server",
+        action="append",
+        default=[],
+        help="an MCP server for /v1/responses: [label=]http(s)://host:port/path or "
+        "[label=]stdio:COMMAND ARGS (repeatable, or comma-separated)",
     )
     g.add_argument(
         "--tool-call-parser",
@@ -84,6 +95,8 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         argv.append("--enable-auto-tool-choice")
     if ns.tool_call_parser:
         argv += ["--tool-call-parser", ns.tool_call_parser]
+    for spec in ns.tool_server:
+        argv += ["--tool-server", spec]
     return argv
 
 
@@ -141,7 +154,13 @@ async def serve(ns: argparse.Namespace) -> int:
     except EngineDeadError as e:
         log.error("%s", e)
         return 3
-    app = build_app(engine, config)
+    try:
+        tool_servers = await _tool_servers(ns.tool_server)
+    except ValueError as e:
+        log.error("%s", e)
+        await engine.client.close()
+        return 2
+    app = build_app(engine, config, tool_servers)
     server = _Server(
         uvicorn.Config(
             app, log_level=ns.uvicorn_log_level, loop="none", timeout_graceful_shutdown=5
@@ -156,6 +175,19 @@ async def serve(ns: argparse.Namespace) -> int:
     finally:
         await engine.client.close()
     return 0
+
+
+async def _tool_servers(specs: list[str]) -> dict[str, ToolServer]:
+    """--tool-server values, parsed and reached once (ValueError says which failed)."""
+    from frontend.api.mcp_tools import parse_tool_server, resolve
+
+    parsed = [parse_tool_server(s) for spec in specs for s in _split_specs(spec)]
+    return await resolve(parsed) if parsed else {}
+
+
+def _split_specs(spec: str) -> list[str]:
+    # vLLM takes a comma-separated list; a stdio command line may hold no comma.
+    return [s.strip() for s in spec.split(",") if s.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from frontend.api.errors import (
     install_error_handlers,
     validation_api_error,
 )
+from frontend.api.mcp_tools import ToolServer
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.api.serving_anthropic import build_router as build_anthropic_router
 from frontend.api.serving_chat import ChatServer
@@ -53,7 +54,10 @@ class FrontendConfig:
     tool_call_parser: str | None = None
 
 
-def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
+def build_app(
+    engine: AsyncLLM, config: FrontendConfig, tool_servers: dict[str, ToolServer] | None = None
+) -> FastAPI:
+    """The API server's routes; `tool_servers` are the resolved --tool-server MCP servers."""
     app = FastAPI(title="Pagoda", version=VERSION)
     install_error_handlers(app)
     served = [config.served_model_name or engine.model_name]
@@ -229,7 +233,7 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
 
     app.include_router(build_tokenize_router(engine, served, chat))
     app.include_router(build_anthropic_router(engine, served, chat))
-    app.include_router(build_responses_router(engine, served, chat, counted))
+    app.include_router(build_responses_router(engine, served, chat, counted, tool_servers))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -9,6 +9,7 @@ route's checks, template rendering, tool parsing and structured output.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -141,6 +142,10 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict) and choice.get("type") == "mcp":
+        if isinstance(choice.get("name"), str):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        return "required"
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise APIError(
@@ -166,13 +171,18 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def to_chat_request(
-    req: ResponsesRequest, conversation: list[dict[str, Any]]
+    req: ResponsesRequest,
+    conversation: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
 ) -> ChatCompletionRequest:
     """The chat request this Responses request means.
 
     `conversation` is the earlier turns (from previous_response_id) and this
     request's input; instructions are not part of it, as a previous response's
-    instructions are not carried over (OpenAI's rule).
+    instructions are not carried over (OpenAI's rule). `tools` and
+    `tool_choice`, when given, replace the request's own (chat-shaped: the
+    server adds MCP tools as functions and relaxes the choice after a round).
     """
     messages = list(conversation)
     if req.instructions:
@@ -181,8 +191,10 @@ def to_chat_request(
     body: dict[str, Any] = {
         "model": req.model,
         "messages": messages,
-        "tools": chat_tools(req.tools),
-        "tool_choice": chat_tool_choice(req.tool_choice),
+        "tools": tools if tools is not None else chat_tools(req.tools),
+        "tool_choice": tool_choice
+        if tool_choice is not None
+        else chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
@@ -209,12 +221,32 @@ _PASSED_THROUGH = (
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A response's output items as chat messages, for previous_response_id."""
+    """Output items as chat messages: for the next round and for previous_response_id.
+
+    Text and the calls after it form one assistant turn; the results of MCP
+    calls (run by the server) follow it as tool messages.
+    """
     messages: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     for item in output:
-        if item["type"] == "message":
+        kind = item["type"]
+        if kind == "message":
+            messages += results
+            results = []
             text = "".join(p.get("text", "") for p in item["content"])
             messages.append({"role": "assistant", "content": text})
-        elif item["type"] == "function_call":
-            messages.extend(_item_messages(item, "output", messages))
-    return messages
+        elif kind in ("function_call", "mcp_call"):
+            call_id = item.get("call_id") or item["id"]
+            fn = {"name": item["name"], "arguments": item["arguments"]}
+            call = {"id": call_id, "type": "function", "function": fn}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if kind == "mcp_call":
+                output_text = item["output"]
+                if output_text is None:
+                    output_text = "error: " + json.dumps(item.get("error"))
+                results.append({"role": "tool", "tool_call_id": call_id, "content": output_text})
+    return messages + results

@@ -12,7 +12,7 @@ import pytest
 
 from frontend.api.errors import APIError
 from frontend.api.responses_items import ResponsesRequest, input_messages, to_chat_request
-from frontend.api.serving_responses import OutputBuilder
+from frontend.api.responses_output import OutputBuilder
 from frontend.api.tool_calls import check_tools
 from tests.frontend.conftest import MODEL_NAME, Server
 from tests.frontend.test_openai_e2e import client
@@ -78,7 +78,8 @@ def test_bad_input_items_are_400(body: dict[str, Any]) -> None:
 
 
 def test_output_builder_event_order() -> None:
-    builder = OutputBuilder(check_tools(None, None, None, None), None)
+    builder = OutputBuilder()
+    builder.new_round(check_tools(None, None, None, None), None, {})
     for piece, last in (("Hel", False), ("lo", False), ("", True)):
         builder.feed(piece, last)
     kinds = [e["type"] for e in builder.take_events()]
@@ -97,7 +98,8 @@ def test_output_builder_event_order() -> None:
 
 def test_output_builder_text_then_calls() -> None:
     tools = check_tools(TOOLS, "auto", None, "hermes")
-    builder = OutputBuilder(tools, "hermes")
+    builder = OutputBuilder()
+    builder.new_round(tools, "hermes", {})
     text = 'Let me check. <tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
     for i in range(0, len(text), 5):
         builder.feed(text[i : i + 5], False)
