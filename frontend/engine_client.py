@@ -51,6 +51,14 @@ class EngineDeadError(RuntimeError):
     """The engine core went away or never answered."""
 
 
+class UtilityError(RuntimeError):
+    """An engine utility call failed; `kind` says how (see UtilityResult.error_kind)."""
+
+    def __init__(self, message: str, kind: str | None) -> None:
+        super().__init__(message)
+        self.kind = kind or "failed"
+
+
 class InprocClient:
     """Runs an EngineCore inside this process (used by the offline LLM)."""
 
@@ -78,16 +86,20 @@ class InprocClient:
         deltas += [delta for _, delta in self.engine.step()]
         return deltas
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
         utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": self.engine.reset_prefix_cache,
             "get_stats": self.engine.get_stats,
             "start_profile": self.engine.start_profile,
             "stop_profile": self.engine.stop_profile,
+            "sleep": self.engine.sleep,
+            "wake_up": self.engine.wake_up,
+            "is_sleeping": self.engine.is_sleeping,
+            "check_invariants": self.engine.check_invariants,
         }
         if method not in utilities:
             raise ValueError(f"unknown utility method {method!r}")
-        return utilities[method](*args)
+        return utilities[method](*args, **kwargs)
 
 
 class AsyncMPClient:
@@ -177,14 +189,21 @@ class AsyncMPClient:
         if self.dead is None and request_ids:
             await self._send(Abort(list(request_ids)))
 
-    async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+    async def call_utility(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float = 30.0,
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Call an engine utility; raises UtilityError, EngineDeadError or TimeoutError."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._utility_futures[call_id] = future
         try:
-            await self._send(UtilityCall(call_id, method, list(args)))
+            await self._send(UtilityCall(call_id, method, list(args), dict(kwargs or {})))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._utility_futures.pop(call_id, None)
@@ -215,7 +234,7 @@ class AsyncMPClient:
                 future = self._utility_futures.get(msg.call_id)
                 if future is not None and not future.done():
                     if msg.error is not None:
-                        future.set_exception(RuntimeError(msg.error))
+                        future.set_exception(UtilityError(msg.error, msg.error_kind))
                     else:
                         future.set_result(msg.result)
             elif isinstance(msg, Ready):

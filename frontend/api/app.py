@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from frontend.api.common import as_api_error, now
+from frontend.api.common import as_api_error, now, unavailable
 from frontend.api.errors import (
     APIError,
     error_response,
@@ -28,10 +28,13 @@ from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
+from frontend.engine_client import EngineDeadError, UtilityError
 from frontend.metrics import EngineStatsCollector, FrontendMetrics
 
 VERSION = "0.1.0"
 _OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
+# HTTP status of a failed engine utility call, by UtilityError.kind.
+_UTILITY_STATUS = {"unknown_method": 400, "invalid": 400, "busy": 409, "failed": 500}
 
 
 @dataclass(frozen=True)
@@ -240,14 +243,37 @@ def build_app(engine: AsyncLLM, config: FrontendConfig) -> FastAPI:
     async def utility(call: Callable[[], Awaitable[Any]]) -> Any:
         try:
             return await call()
-        except RuntimeError as e:  # the engine refused: say why
-            raise APIError(400, str(e)[:300]) from None
+        except UtilityError as e:  # the engine refused or failed: say why
+            raise APIError(_UTILITY_STATUS.get(e.kind, 500), str(e)[:300]) from None
+        except EngineDeadError as e:
+            raise unavailable(f"the engine core is not available: {e}") from None
+        except TimeoutError:
+            raise APIError(504, "the engine core did not answer in time") from None
 
     @app.post("/reset_prefix_cache")
     @app.post("/reset-prefix-cache")
     async def reset_prefix_cache() -> Response:
         await utility(engine.reset_prefix_cache)
         return Response(status_code=200)
+
+    @app.post("/sleep")
+    async def sleep(level: str = "1") -> Response:
+        """Level 1 frees the KV cache and parks the weights; 2 drops the weights too."""
+        if level not in ("1", "2"):
+            raise APIError(400, "level must be 1 or 2", "level")
+        await utility(lambda: engine.sleep(int(level)))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    @app.post("/wake-up")
+    async def wake_up(request: Request) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        await utility(lambda: engine.wake_up(tags))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await utility(engine.is_sleeping)}
 
     @app.post("/start_profile")
     @app.post("/start-profile")
