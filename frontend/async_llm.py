@@ -234,6 +234,18 @@ class AsyncLLM:
             await self.client.abort(child_ids)
             queue.put_nowait((-1, None, time.monotonic()))
 
+    @property
+    def num_active(self) -> int:
+        """Requests being generated for this process's callers now."""
+        return len(self._active)
+
+    async def abort_all(self) -> int:
+        """Abort every active request (shutdown); returns how many."""
+        request_ids = list(self._active)
+        for request_id in request_ids:
+            await self.abort(request_id)
+        return len(request_ids)
+
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))
 
