@@ -30,6 +30,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     _add_profiler_arg(g)
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="refuse new requests (503 + Retry-After) while this many wait to be scheduled",
+    )
+    g.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail (503) a request still waiting for its first schedule after this long",
+    )
+    g.add_argument(
+        "--sleep-offload-dir",
+        default=None,
+        help="where sleep level 1 spills CPU weights (default: the system temp dir)",
+    )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
 
 
@@ -56,6 +74,9 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         seed=ns.seed,
         num_threads=ns.num_threads,
         profiler_dir=ns.profiler_dir,
+        max_waiting_requests=ns.max_waiting_requests,
+        max_queue_wait_s=ns.max_queue_wait,
+        sleep_offload_dir=ns.sleep_offload_dir,
     )
 
 

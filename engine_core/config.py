@@ -27,6 +27,11 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     profiler_dir: str | None = None  # where start/stop_profile write traces
+    # Load shedding: requests beyond this many waiting are refused (None: no bound).
+    max_waiting_requests: int | None = None
+    # A request not yet scheduled after this many seconds is failed (None: no limit).
+    max_queue_wait_s: float | None = None
+    sleep_offload_dir: str | None = None  # level-1 sleep spills CPU weights here
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -41,3 +46,7 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be at least 0")
+        if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
+            raise ValueError("max_queue_wait must be positive")

@@ -32,6 +32,12 @@ from protocol.messages import PROTOCOL_VERSION, AddRequest, Ready, RequestDelta,
 
 logger = logging.getLogger(__name__)
 
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class EngineBusyError(ValueError):
+    """A control call refused because requests are in flight."""
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -54,6 +60,8 @@ class EngineCore:
         self.config = config
         self.engine_id = uuid.uuid4().hex[:8]
         self._profiler: Any = None
+        # Sleep mode: which of SLEEP_TAGS are out of memory now.
+        self._asleep: set[str] = set()
         model_path = resolve_model_path(config.model)
         self.model_config: ModelConfig = load_model_config(model_path)
         self.executor = InProcessExecutor(config, self.model_config)
@@ -131,6 +139,12 @@ class EngineCore:
 
     def add_request(self, msg: AddRequest, client_id: str = "") -> RequestDelta | None:
         """Queue a request; a delta with an error if it can never run."""
+        refusal = self._refusal()
+        if refusal is not None:
+            kind, reason = refusal
+            return RequestDelta(
+                msg.request_id, [], finish_reason="error", error=reason, error_kind=kind
+            )
         error = self._validate(msg)
         if error is not None:
             return RequestDelta(msg.request_id, [], finish_reason="error", error=error)
@@ -149,6 +163,18 @@ class EngineCore:
             request.grammar = self.structured_output.compile_async(constraint)
             self._compiling[request.request_id] = request
         self.scheduler.add_request(request)
+        return None
+
+    def _refusal(self) -> tuple[str, str] | None:
+        """(error kind, message) when no new request can be taken now; a client may retry."""
+        if self._asleep:
+            return "sleeping", "the engine is sleeping; POST /wake_up to serve again"
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            return (
+                "overloaded",
+                f"the server is overloaded: {limit} requests are already waiting; retry later",
+            )
         return None
 
     def _validate(self, msg: AddRequest) -> str | None:
@@ -185,7 +211,7 @@ class EngineCore:
 
     def step(self) -> list[tuple[Request, RequestDelta]]:
         """schedule → execute → update."""
-        failed = self._reap_grammars()
+        failed = self._reap_grammars() + self._expire_queued()
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids:
             if not failed and self._compiling:
@@ -215,8 +241,30 @@ class EngineCore:
             )
         return failed
 
+    def _expire_queued(self) -> list[tuple[Request, RequestDelta]]:
+        """Fail requests that waited longer than --max-queue-wait for their first schedule."""
+        limit = self.config.max_queue_wait_s
+        if limit is None or not self.scheduler.waiting:
+            return []
+        now = time.monotonic()
+        expired = [
+            r
+            for r in self.scheduler.waiting
+            if r.num_cached_tokens < 0 and r.num_preemptions == 0 and now - r.queued_at > limit
+        ]
+        if not expired:
+            return []
+        self.scheduler.finish_requests([r.request_id for r in expired], "error")
+        message = f"the request waited more than {limit:g} s to be scheduled; retry later"
+        return [
+            (r, RequestDelta(r.request_id, [], "error", error=message, error_kind="queue_timeout"))
+            for r in expired
+        ]
+
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.is_sleeping = bool(self._asleep)
+        return stats
 
     # -------------------------------------------------------------- utilities
 
@@ -253,6 +301,46 @@ class EngineCore:
         profiler.export_chrome_trace(path)
         return path
 
+    def sleep(self, level: int = 1) -> bool:
+        """Free the KV cache and park (1) or drop (2) the weights; refused mid-request."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        busy = self.scheduler.num_unfinished + len(self._compiling)
+        if busy:
+            raise EngineBusyError(
+                f"{busy} requests are in flight; sleep is refused until they finish or are aborted"
+            )
+        started = time.monotonic()
+        # The cached prefixes live in the KV cache about to be freed.
+        self.scheduler.block_manager.reset_prefix_cache()
+        self.executor.sleep(level, self.config.sleep_offload_dir)
+        self._asleep = set(SLEEP_TAGS)
+        logger.info("asleep at level %d in %.2f s", level, time.monotonic() - started)
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back the weights and/or the KV cache (all when tags is None)."""
+        wanted = set(SLEEP_TAGS if not tags else tags)
+        unknown = wanted - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use weights, kv_cache")
+        todo = wanted & self._asleep
+        started = time.monotonic()
+        self.executor.wake_up(
+            "weights" in todo, "kv_cache" in todo, self.scheduler.block_manager.num_blocks
+        )
+        self._asleep -= todo
+        logger.info("woke %s in %.2f s", sorted(todo) or "nothing", time.monotonic() - started)
+        return True
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def check_invariants(self) -> bool:
+        """The block manager's consistency check (raises if broken)."""
+        self.scheduler.block_manager.check_invariants()
+        return True
+
     def get_stats(self) -> dict[str, Any]:
         bm = self.scheduler.block_manager
         bm.check_invariants()
@@ -263,4 +351,5 @@ class EngineCore:
             "num_blocks": bm.num_blocks,
             "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "is_sleeping": bool(self._asleep),
         }

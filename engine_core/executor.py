@@ -25,6 +25,17 @@ class InProcessExecutor:
     def execute(self, plan: SchedulePlan) -> StepResult:
         return self.runner.execute(plan)
 
+    def sleep(self, level: int, spill_dir: str | None) -> None:
+        """Free the KV cache; park the weights (level 1) or drop them (level 2)."""
+        self.runner.release_kv_cache()
+        self.runner.offload_weights(keep_copy=level == 1, spill_dir=spill_dir)
+
+    def wake_up(self, weights: bool, kv_cache: bool, num_blocks: int) -> None:
+        if weights:
+            self.runner.reload_weights()
+        if kv_cache:
+            self.runner.allocate_kv_cache(num_blocks)
+
     @property
     def dtype_name(self) -> str:
         return str(self.runner.dtype).removeprefix("torch.")

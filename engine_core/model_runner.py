@@ -21,6 +21,7 @@ from engine_core.model_config import ModelConfig
 from engine_core.models.llama import LlamaModel
 from engine_core.plan import NewRequestData, SchedulePlan, StepResult
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
+from engine_core.sleep import ParkedWeights, release_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
 from engine_core.weights import load_weights
 from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
@@ -84,6 +85,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, CachedRequestState] = {}
+        self.num_kv_blocks = 0
+        # Sleep mode: the parked weights (level 1), or None with model None (level 2).
+        self._parked: ParkedWeights | None = None
         self.eos_token_ids = model_config.eos_token_ids
         # Built (once per machine, then cached) before serving, not on the first step.
         self.compiled_decode = (
@@ -99,12 +103,14 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
-    def allocate_kv_cache(self) -> int:
-        """Size the cache from the memory budget; returns the number of blocks."""
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            budget = self._default_kv_budget()
-        num_blocks = max(budget // self.kv_bytes_per_block(), 1)
+    def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Size the cache from the memory budget (or as given); returns the number of blocks."""
+        if num_blocks is None:
+            budget = self.config.kv_cache_memory_bytes
+            if budget is None:
+                budget = self._default_kv_budget()
+            num_blocks = max(budget // self.kv_bytes_per_block(), 1)
+        self.num_kv_blocks = int(num_blocks)
         mc = self.model_config
         shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         # Uninitialized: a multi-GiB memset would cost seconds at start-up, and
@@ -132,6 +138,41 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         self.kv_caches = []
         self.requests.clear()
+        release_freed_memory(self.device)
+
+    # ----------------------------------------------------------- sleep mode
+
+    def offload_weights(self, keep_copy: bool, spill_dir: str | None = None) -> None:
+        """Take the weights out of memory; keep an exact copy (level 1) or not (level 2)."""
+        if self.model is None:
+            return  # already dropped
+        if self._parked is not None:
+            if not keep_copy:  # level 2 after level 1: forget the copy too
+                self._parked.discard()
+                self._parked = None
+                self.model = None  # type: ignore[assignment]
+                release_freed_memory(self.device)
+            return
+        if keep_copy:
+            self._parked = ParkedWeights(self.model, self.device, spill_dir)
+            logger.info("weights parked (%.0f MiB)", self._parked.nbytes / 2**20)
+        else:
+            self.model = None  # type: ignore[assignment]
+            release_freed_memory(self.device)
+
+    def reload_weights(self) -> None:
+        """Undo offload_weights: restore the parked copy or rebuild from the model file."""
+        if self._parked is not None:
+            self._parked.restore()
+            self._parked = None
+        elif self.model is None:
+            self.model = LlamaModel(
+                self.model_config, load_weights(self.model_config), self.dtype, self.device
+            )
+
+    @property
+    def weights_offloaded(self) -> bool:
+        return self._parked is not None or self.model is None
 
     # -------------------------------------------------------------- execute
 

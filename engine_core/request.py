@@ -8,6 +8,7 @@ prefix-cache hit and a recompute after preemption are all "computed < total".
 from __future__ import annotations
 
 import enum
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -44,6 +45,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time
+        # When this engine queued it (its own clock): --max-queue-wait counts from here.
+        self.queued_at = time.monotonic()
         self.priority = priority
         self.lora_name = lora_name
         self.status = RequestStatus.WAITING

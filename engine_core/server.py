@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from engine_core.addresses import split_address
-from engine_core.engine import EngineCore
+from engine_core.engine import EngineBusyError, EngineCore
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -81,7 +81,12 @@ class EngineCoreServer:
             "get_stats": engine.get_stats,
             "start_profile": engine.start_profile,
             "stop_profile": engine.stop_profile,
+            "sleep": engine.sleep,
+            "wake_up": engine.wake_up,
+            "is_sleeping": engine.is_sleeping,
+            "check_invariants": engine.check_invariants,
             "ping": lambda: "pong",
+            "echo": lambda *args, **kwargs: {"args": list(args), "kwargs": kwargs},
         }
 
     # ------------------------------------------------------------ busy loop
@@ -160,12 +165,22 @@ class EngineCoreServer:
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         method = self._utilities.get(call.method)
         if method is None:
-            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+            return UtilityResult(
+                call.call_id,
+                error=f"unknown utility method {call.method!r}",
+                error_kind="unknown_method",
+            )
         try:
-            return UtilityResult(call.call_id, result=method(*call.args))
+            return UtilityResult(call.call_id, result=method(*call.args, **call.kwargs))
+        except EngineBusyError as e:
+            return UtilityResult(call.call_id, error=str(e), error_kind="busy")
+        except (ValueError, TypeError) as e:  # bad arguments: the caller's mistake
+            return UtilityResult(call.call_id, error=str(e), error_kind="invalid")
         except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going
             logger.exception("utility call %s failed", call.method)
-            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+            return UtilityResult(
+                call.call_id, error=f"{type(e).__name__}: {e}", error_kind="failed"
+            )
 
     def _send_deltas(self, deltas: list) -> None:
         if not deltas:

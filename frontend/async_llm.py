@@ -42,6 +42,17 @@ class EngineRequestError(ValueError):
     """The engine refused a request (its message says why)."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot take the request now (asleep, overloaded, queue wait); retry later."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+SLEEPING_MESSAGE = "the engine is sleeping; POST /wake_up to serve again"
+
+
 class AsyncLLM:
     """Streams generations from one engine core; many requests at once."""
 
@@ -155,6 +166,9 @@ class AsyncLLM:
 
         if request_id in self._active:
             raise EngineRequestError(f"request id {request_id!r} is already in use")
+        if self.client.stats.is_sleeping:
+            # Known from the engine's last stats; the engine refuses too, should it be stale.
+            raise EngineUnavailableError(SLEEPING_MESSAGE, "sleeping")
         params, requests = self.processor.make_requests(
             request_id, ProcessedPrompt(prompt, prompt_token_ids), sampling_params, priority
         )
@@ -180,6 +194,8 @@ class AsyncLLM:
                     if delta is None:
                         raise EngineDeadError(self.client.dead or "the engine core died")
                     if delta.error is not None:
+                        if delta.error_kind is not None:
+                            raise EngineUnavailableError(delta.error, delta.error_kind)
                         raise EngineRequestError(delta.error)
                     if self.metrics is not None and delta.new_token_ids:
                         last = last_token_at[index]
@@ -218,6 +234,18 @@ class AsyncLLM:
             await self.client.abort(child_ids)
             queue.put_nowait((-1, None, time.monotonic()))
 
+    @property
+    def num_active(self) -> int:
+        """Requests being generated for this process's callers now."""
+        return len(self._active)
+
+    async def abort_all(self) -> int:
+        """Abort every active request (shutdown); returns how many."""
+        request_ids = list(self._active)
+        for request_id in request_ids:
+            await self.abort(request_id)
+        return len(request_ids)
+
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))
 
@@ -227,6 +255,21 @@ class AsyncLLM:
     async def stop_profile(self) -> str:
         """Returns the trace file's path (on the engine's machine)."""
         return str(await self.client.call_utility("stop_profile", timeout=120.0))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and park (1) or drop (2) the weights; refused mid-request."""
+        await self.client.call_utility("sleep", level, timeout=300.0)
+        self.client.stats.is_sleeping = True
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or KV cache ("weights", "kv_cache"; all by default)."""
+        await self.client.call_utility("wake_up", tags, timeout=300.0)
+        self.client.stats.is_sleeping = bool(await self.client.call_utility("is_sleeping"))
+
+    async def is_sleeping(self) -> bool:
+        asleep = bool(await self.client.call_utility("is_sleeping"))
+        self.client.stats.is_sleeping = asleep
+        return asleep
 
     async def get_stats(self) -> dict[str, Any]:
         return dict(await self.client.call_utility("get_stats"))

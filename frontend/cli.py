@@ -62,6 +62,29 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how tool calls are found in the model's text",
     )
+    g.add_argument(
+        "--enable-admin-api",
+        action="store_true",
+        help="serve POST /collective_rpc (allow-listed engine utility calls)",
+    )
+    g.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="key for /collective_rpc, /sleep, /wake_up, profiling, cache reset (not --api-key)",
+    )
+    g.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=None,
+        help="per API server: generation requests beyond this many get 503 + Retry-After",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM, let in-flight requests finish this long, then abort them",
+    )
 
 
 def _str_list(value: str) -> list[str]:
@@ -97,6 +120,13 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--tool-call-parser", ns.tool_call_parser]
     for spec in ns.tool_server:
         argv += ["--tool-server", spec]
+    if ns.enable_admin_api:
+        argv.append("--enable-admin-api")
+    if ns.admin_api_key:
+        argv += ["--admin-api-key", ns.admin_api_key]
+    if ns.max_inflight_requests is not None:
+        argv += ["--max-inflight-requests", str(ns.max_inflight_requests)]
+    argv += ["--shutdown-timeout", str(ns.shutdown_timeout)]
     return argv
 
 
@@ -145,7 +175,12 @@ async def serve(ns: argparse.Namespace) -> int:
         allowed_headers=tuple(ns.allowed_headers),
         max_request_body_bytes=ns.max_request_body_bytes,
         tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+        enable_admin_api=ns.enable_admin_api,
+        admin_api_key=ns.admin_api_key,
+        max_inflight_requests=ns.max_inflight_requests,
     )
+    if ns.enable_admin_api and not ns.admin_api_key:
+        log.warning("--enable-admin-api without --admin-api-key: /collective_rpc is open")
     sock = bind_socket(ns.host, ns.port)
     try:
         engine = await AsyncLLM.connect(
@@ -167,8 +202,26 @@ async def serve(ns: argparse.Namespace) -> int:
         )
     )
     loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task[None]] = []
+
+    async def drain_then_exit() -> None:
+        try:
+            aborted = await app.state.drain(ns.shutdown_timeout)
+            if aborted:
+                log.warning("shutdown: aborted %d requests still running", aborted)
+        finally:
+            server.request_exit()
+
+    def on_signal() -> None:
+        # First signal: drain gracefully; a second one: exit now.
+        if draining:
+            server.request_exit()
+            return
+        log.info("stopping: draining for up to %.1f s", ns.shutdown_timeout)
+        draining.append(loop.create_task(drain_then_exit()))
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, server.request_exit)
+        loop.add_signal_handler(signum, on_signal)
     print(f"api-server on http://{ns.host}:{ns.port} serving {engine.model_name}", flush=True)
     try:
         await server.serve(sockets=[sock])

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from engine_core.addresses import split_address
 from protocol.messages import (
@@ -51,6 +52,14 @@ class EngineDeadError(RuntimeError):
     """The engine core went away or never answered."""
 
 
+class UtilityError(RuntimeError):
+    """An engine utility call failed; `kind` says how (see UtilityResult.error_kind)."""
+
+    def __init__(self, message: str, kind: str | None) -> None:
+        super().__init__(message)
+        self.kind = kind or "failed"
+
+
 class InprocClient:
     """Runs an EngineCore inside this process (used by the offline LLM)."""
 
@@ -78,16 +87,20 @@ class InprocClient:
         deltas += [delta for _, delta in self.engine.step()]
         return deltas
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
         utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": self.engine.reset_prefix_cache,
             "get_stats": self.engine.get_stats,
             "start_profile": self.engine.start_profile,
             "stop_profile": self.engine.stop_profile,
+            "sleep": self.engine.sleep,
+            "wake_up": self.engine.wake_up,
+            "is_sleeping": self.engine.is_sleeping,
+            "check_invariants": self.engine.check_invariants,
         }
         if method not in utilities:
             raise ValueError(f"unknown utility method {method!r}")
-        return utilities[method](*args)
+        return utilities[method](*args, **kwargs)
 
 
 class AsyncMPClient:
@@ -150,7 +163,52 @@ class AsyncMPClient:
         self.ready = ready
         self.last_output_time = time.monotonic()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        self._tasks.append(asyncio.create_task(self._monitor_loop()))
         return ready
+
+    async def _monitor_loop(self) -> None:
+        """Fail in-flight work the moment the engine's connection drops (kill -9)."""
+        assert self._out_sock is not None
+        monitor = self._out_sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.dead is None:
+                    self._fail_all(f"the engine core at {self.address} disconnected")
+        except (zmq.ZMQError, asyncio.CancelledError):
+            pass
+        finally:
+            try:
+                self._out_sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
+
+    def _on_ready(self, ready: Ready) -> None:
+        """A Ready after the engine died: an engine core is back at the address."""
+        if self.dead is None or self.ready is None:
+            return
+        old = self.ready
+        same = (
+            ready.error is None
+            and ready.model_path == old.model_path
+            and ready.tokenizer_path == old.tokenizer_path
+            and ready.vocab_size == old.vocab_size
+            and ready.max_model_len == old.max_model_len
+            and ready.block_size == old.block_size
+        )
+        if not same:
+            self.dead = (
+                f"the engine core at {self.address} came back with a different model or "
+                f"settings ({ready.error or ready.model_path}); restart this API server"
+            )
+            logger.error("%s", self.dead)
+            return
+        logger.info("engine core %s is back at %s: serving again", ready.engine_id, self.address)
+        self.ready = ready
+        self.stats = SchedulerStats()
+        self.last_output_time = time.monotonic()
+        self.dead = None
 
     async def _send(self, msg: msgspec.Struct) -> None:
         assert self._in_sock is not None
@@ -177,14 +235,21 @@ class AsyncMPClient:
         if self.dead is None and request_ids:
             await self._send(Abort(list(request_ids)))
 
-    async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+    async def call_utility(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float = 30.0,
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Call an engine utility; raises UtilityError, EngineDeadError or TimeoutError."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._utility_futures[call_id] = future
         try:
-            await self._send(UtilityCall(call_id, method, list(args)))
+            await self._send(UtilityCall(call_id, method, list(args), dict(kwargs or {})))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._utility_futures.pop(call_id, None)
@@ -215,27 +280,37 @@ class AsyncMPClient:
                 future = self._utility_futures.get(msg.call_id)
                 if future is not None and not future.done():
                     if msg.error is not None:
-                        future.set_exception(RuntimeError(msg.error))
+                        future.set_exception(UtilityError(msg.error, msg.error_kind))
                     else:
                         future.set_result(msg.result)
             elif isinstance(msg, Ready):
                 if not ready_future.done():
                     ready_future.set_result(msg)
+                else:
+                    self._on_ready(msg)
             elif isinstance(msg, EngineDead):
                 self._fail_all(msg.reason)
 
     async def _heartbeat_loop(self) -> None:
-        """Send our heartbeats; declare the engine dead when its stop coming."""
-        while self.dead is None:
+        """Send our heartbeats; declare the engine dead when its stop coming.
+
+        While the engine is dead, say Hello instead: an engine core started
+        again at the same address answers Ready and serving resumes.
+        """
+        while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-            silent = time.monotonic() - self.last_output_time
-            if silent > ENGINE_SILENCE_LIMIT_S:
-                self._fail_all(f"no word from the engine core for {silent:.1f} s")
-                return
+            if self.dead is not None:
+                message: msgspec.Struct = Hello(self.client_id, PROTOCOL_VERSION)
+            else:
+                silent = time.monotonic() - self.last_output_time
+                if silent > ENGINE_SILENCE_LIMIT_S:
+                    self._fail_all(f"no word from the engine core for {silent:.1f} s")
+                    continue
+                message = Heartbeat(self.client_id)
             try:
-                await self._send(Heartbeat(self.client_id))
+                await self._send(message)
             except (EngineDeadError, zmq.ZMQError):
-                pass  # the silence check above decides
+                pass  # not connected (yet): the silence check or the next Hello decides
 
     def _fail_all(self, reason: str) -> None:
         self.dead = reason

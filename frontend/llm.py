@@ -97,6 +97,17 @@ class LLM:
         """Stop the trace; returns the path of the trace file (Perfetto/Chrome)."""
         return str(self.client.call_utility("stop_profile"))
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and park (level 1) or drop (level 2) the weights."""
+        self.client.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache ("weights", "kv_cache"; all by default)."""
+        self.client.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.client.call_utility("is_sleeping"))
+
     def _run(
         self,
         prompts: list[PromptType],

@@ -65,20 +65,29 @@ def _serve(ns: argparse.Namespace) -> int:
                     break
             time.sleep(0.2)
     finally:
-        # API servers first, so that they stop taking requests before the engine goes.
-        for _, proc in reversed(children):
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 15
-        for _, proc in reversed(children):
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # API servers first: they drain their requests (up to --shutdown-timeout)
+        # while the engine still serves them; then the engine core.
+        api_servers, engine = children[1:], children[:1]
+        _stop(api_servers, ns.shutdown_timeout + 10)
+        _stop(engine, 15)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return exit_code
+
+
+def _stop(children: list[tuple[str, subprocess.Popen[bytes]]], timeout: float) -> None:
+    """SIGTERM these children, wait up to `timeout`, SIGKILL what is left."""
+    for _, proc in children:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    for name, proc in children:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            print(f"pagoda: {name} did not stop in time; killing it", file=sys.stderr, flush=True)
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,11 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return True
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] in oneDNN's blocked layout (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+
+
 class Linear:
     """y = x W^T (+ b), with W [out, in] packed when that is faster."""
 
@@ -36,7 +41,7 @@ class Linear:
         self.bias = bias
         self.packed = _can_pack(weight)
         if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+            self.weight = pack_weight(weight)
         else:
             self.weight = weight
 

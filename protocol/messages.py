@@ -50,6 +50,7 @@ class UtilityCall(msgspec.Struct, tag="utility"):
     call_id: int
     method: str
     args: list[object] = msgspec.field(default_factory=list)
+    kwargs: dict[str, object] = msgspec.field(default_factory=dict)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
@@ -106,6 +107,9 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # Why the engine refused or dropped the request, for errors a client may
+    # retry: "overloaded" (queue full), "sleeping", "queue_timeout".
+    error_kind: str | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -117,6 +121,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    is_sleeping: bool = False
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -133,6 +138,9 @@ class UtilityResult(msgspec.Struct, tag="utility_result", omit_defaults=True):
     call_id: int
     result: object = None
     error: str | None = None
+    # "unknown_method" | "invalid" (bad arguments) | "busy" (refused while
+    # requests are in flight) | "failed" (the method raised)
+    error_kind: str | None = None
 
 
 class EngineDead(msgspec.Struct, tag="engine_dead"):

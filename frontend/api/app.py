@@ -5,17 +5,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from frontend.api.common import as_api_error, now
+from frontend.api.common import as_api_error, now, unavailable
 from frontend.api.errors import (
     APIError,
     error_response,
@@ -30,10 +31,40 @@ from frontend.api.serving_completion import CompletionServer
 from frontend.api.serving_responses import build_router as build_responses_router
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
+from frontend.engine_client import EngineDeadError, UtilityError
 from frontend.metrics import EngineStatsCollector, FrontendMetrics
 
 VERSION = "0.1.0"
 _OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
+# Engine-control routes: when --admin-api-key is set they need it (and not --api-key).
+_ADMIN_PATHS = {
+    "/collective_rpc",
+    "/sleep",
+    "/wake_up",
+    "/wake-up",
+    "/reset_prefix_cache",
+    "/reset-prefix-cache",
+    "/start_profile",
+    "/start-profile",
+    "/stop_profile",
+    "/stop-profile",
+}
+# What POST /collective_rpc may call on the engine; anything else is a 400.
+ADMIN_RPC_METHODS = frozenset(
+    {
+        "get_stats",
+        "check_invariants",
+        "reset_prefix_cache",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "ping",
+        "echo",
+    }
+)
+MAX_RPC_TIMEOUT_S = 600.0
+# HTTP status of a failed engine utility call, by UtilityError.kind.
+_UTILITY_STATUS = {"unknown_method": 400, "invalid": 400, "busy": 409, "failed": 500}
 
 
 @dataclass(frozen=True)
@@ -52,6 +83,10 @@ class FrontendConfig:
     max_request_body_bytes: int = 8 << 20
     # Set only with --enable-auto-tool-choice: tool_choice "auto" is refused without it.
     tool_call_parser: str | None = None
+    enable_admin_api: bool = False  # POST /collective_rpc
+    admin_api_key: str | None = None
+    # Generation requests in flight in this API server beyond which new ones get 503.
+    max_inflight_requests: int | None = None
 
 
 def build_app(
@@ -72,22 +107,28 @@ def build_app(
     )
     engine.metrics = metrics
 
-    if config.api_keys:
+    if config.api_keys or config.admin_api_key:
         keys = [k.encode() for k in config.api_keys]
+        admin_key = config.admin_api_key.encode() if config.admin_api_key else None
 
         @app.middleware("http")
         async def _auth(
             request: Request, call_next: Callable[[Request], Awaitable[Response]]
         ) -> Response:
-            if request.method == "OPTIONS" or request.url.path in _OPEN_PATHS:
+            path = request.url.path
+            if request.method == "OPTIONS" or path in _OPEN_PATHS:
                 return await call_next(request)
             header = request.headers.get("authorization", "")
             token = (
                 header[7:]
                 if header.lower().startswith("bearer ")
                 else (request.headers.get("x-api-key", ""))
-            )
-            if not any(hmac.compare_digest(token.encode(), k) for k in keys):
+            ).encode()
+            if admin_key is not None and path in _ADMIN_PATHS:
+                # Constant-time, and the admin key only: an API key is not enough here.
+                if not hmac.compare_digest(token, admin_key):
+                    return error_response(request, APIError(401, "invalid or missing admin key"))
+            elif keys and not any(hmac.compare_digest(token, k) for k in keys):
                 return error_response(request, APIError(401, "invalid or missing API key"))
             return await call_next(request)
 
@@ -158,15 +199,60 @@ def build_app(
         }
 
     in_flight = {"count": 0}
+    app.state.draining = False
 
     async def counted(work: Callable[[], Awaitable[Any]]) -> Any:
         # GET /load reports this (vLLM's server load tracking); a streamed
-        # response counts until it is handed to the server to send.
+        # response counts until its last event is sent.
+        limit = config.max_inflight_requests
+        if limit is not None and in_flight["count"] >= limit:
+            return unavailable(
+                f"the server is overloaded: {limit} requests are in flight; retry later"
+            ).response()
         in_flight["count"] += 1
+        handed_off = False
         try:
-            return await guarded(work)
+            result = await guarded(work)
+            if isinstance(result, StreamingResponse):
+                result.body_iterator = _count_until_done(result.body_iterator)
+                handed_off = True
+            return result
+        finally:
+            if not handed_off:
+                in_flight["count"] -= 1
+
+    async def _count_until_done(body: AsyncIterable[Any]) -> AsyncIterator[Any]:
+        try:
+            async for chunk in body:
+                yield chunk
         finally:
             in_flight["count"] -= 1
+
+    async def drain(timeout: float) -> int:
+        """Refuse new requests (503), let in-flight ones finish up to `timeout`, abort the rest.
+
+        Returns how many requests were aborted.
+        """
+        app.state.draining = True
+        deadline = time.monotonic() + timeout
+        while (in_flight["count"] or engine.num_active) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        aborted = await engine.abort_all()
+        # Let the aborted responses be written before the server closes connections.
+        deadline = time.monotonic() + 2.0
+        while in_flight["count"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return aborted
+
+    app.state.drain = drain
+
+    @app.middleware("http")
+    async def _refuse_while_draining(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if app.state.draining and request.url.path not in ("/metrics", "/load", "/version"):
+            return error_response(request, unavailable("the server is shutting down"))
+        return await call_next(request)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Any:
@@ -246,14 +332,79 @@ def build_app(
     async def utility(call: Callable[[], Awaitable[Any]]) -> Any:
         try:
             return await call()
-        except RuntimeError as e:  # the engine refused: say why
-            raise APIError(400, str(e)[:300]) from None
+        except UtilityError as e:  # the engine refused or failed: say why
+            raise APIError(_UTILITY_STATUS.get(e.kind, 500), str(e)[:300]) from None
+        except EngineDeadError as e:
+            raise unavailable(f"the engine core is not available: {e}") from None
+        except TimeoutError:
+            raise APIError(504, "the engine core did not answer in time") from None
 
     @app.post("/reset_prefix_cache")
     @app.post("/reset-prefix-cache")
     async def reset_prefix_cache() -> Response:
         await utility(engine.reset_prefix_cache)
         return Response(status_code=200)
+
+    @app.post("/sleep")
+    async def sleep(level: str = "1") -> Response:
+        """Level 1 frees the KV cache and parks the weights; 2 drops the weights too."""
+        if level not in ("1", "2"):
+            raise APIError(400, "level must be 1 or 2", "level")
+        await utility(lambda: engine.sleep(int(level)))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    @app.post("/wake-up")
+    async def wake_up(request: Request) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        await utility(lambda: engine.wake_up(tags))
+        return Response(status_code=200)
+
+    if config.enable_admin_api:
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request) -> dict[str, Any]:
+            """{method, args, kwargs, timeout} → {"results": [one per engine core]}."""
+            try:
+                body = await request.json()
+            except ValueError:
+                raise APIError(400, "the request body is not valid JSON") from None
+            if not isinstance(body, dict) or not isinstance(body.get("method"), str):
+                raise APIError(400, "expected an object with a string `method`", "method")
+            method = body["method"]
+            if method not in ADMIN_RPC_METHODS:
+                allowed = ", ".join(sorted(ADMIN_RPC_METHODS))
+                raise APIError(400, f"method {method!r} is not allowed; one of {allowed}", "method")
+            args = body.get("args") or []
+            kwargs = body.get("kwargs") or {}
+            if not isinstance(args, list):
+                raise APIError(400, "args must be a list", "args")
+            if not isinstance(kwargs, dict):
+                raise APIError(400, "kwargs must be an object", "kwargs")
+            timeout = body.get("timeout")
+            if timeout is None:
+                timeout = 30.0
+            if (
+                isinstance(timeout, bool)
+                or not isinstance(timeout, int | float)
+                or not 0 < timeout <= MAX_RPC_TIMEOUT_S
+            ):
+                raise APIError(400, f"timeout must be in (0, {MAX_RPC_TIMEOUT_S:g}]", "timeout")
+            result = await utility(
+                lambda: engine.client.call_utility(
+                    method, *args, timeout=float(timeout), kwargs=kwargs
+                )
+            )
+            if method in ("sleep", "wake_up", "is_sleeping"):
+                # Keep this server's view of the engine in step without waiting for stats.
+                engine.client.stats.is_sleeping = bool(
+                    await engine.client.call_utility("is_sleeping")
+                )
+            return {"results": [result]}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await utility(engine.is_sleeping)}
 
     @app.post("/start_profile")
     @app.post("/start-profile")

@@ -14,12 +14,20 @@ from fastapi import Request
 from frontend.api.errors import APIError, error_json
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.api.structured_outputs import constraint_from
-from frontend.async_llm import AsyncLLM, EngineRequestError
+from frontend.async_llm import AsyncLLM, EngineRequestError, EngineUnavailableError
 from frontend.engine_client import EngineDeadError
 from frontend.outputs import CompletionOutput
 from protocol.sampling_params import SamplingParams, SamplingParamsError
 
 T = TypeVar("T")
+
+# What a 503 tells clients to wait before retrying (the openai clients honour it).
+RETRY_AFTER_S = 1
+
+
+def unavailable(message: str) -> APIError:
+    """A 503 with Retry-After: the server cannot take the request now, later it may."""
+    return APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def new_id(prefix: str) -> str:
@@ -84,10 +92,12 @@ def as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, SamplingParamsError):
         return APIError(400, str(exc), exc.param)
+    if isinstance(exc, EngineUnavailableError):
+        return unavailable(str(exc)[:500])
     if isinstance(exc, EngineRequestError | ValueError):
         return APIError(400, str(exc)[:500])
     if isinstance(exc, EngineDeadError):
-        return APIError(500, f"the engine core is not available: {exc}", err_type="engine_error")
+        return unavailable(f"the engine core is not available: {exc}")
     return APIError(500, f"internal error: {type(exc).__name__}")
 
 

@@ -36,8 +36,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         err_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -55,7 +57,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 _ANTHROPIC_TYPES = {
@@ -82,7 +84,7 @@ def anthropic_error_body(err: APIError) -> dict[str, Any]:
 def error_response(request: Request, err: APIError) -> JSONResponse:
     """The error in the shape of the API the route belongs to."""
     if request.url.path.startswith("/v1/messages"):
-        return JSONResponse(anthropic_error_body(err), status_code=err.status)
+        return JSONResponse(anthropic_error_body(err), status_code=err.status, headers=err.headers)
     return err.response()
 
 

@@ -280,7 +280,9 @@ def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRo
             return await _create(req, raw)
         except Exception as e:  # noqa: BLE001 - every failure in Anthropic's shape
             err = as_api_error(e)
-            return JSONResponse(anthropic_error_body(err), status_code=err.status)
+            return JSONResponse(
+                anthropic_error_body(err), status_code=err.status, headers=err.headers
+            )
 
     async def _create(req: MessagesRequest, raw: Request) -> Any:
         model = check_model(engine, served, req.model)
