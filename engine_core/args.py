@@ -29,6 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget in bytes (default: min(4 GiB, 25%% of free memory) on CPU)",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="pooling: serve a decoder's embeddings (last-token pooling) instead of generating",
+    )
     _add_profiler_arg(g)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
 
@@ -56,6 +62,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         seed=ns.seed,
         num_threads=ns.num_threads,
         profiler_dir=ns.profiler_dir,
+        runner=ns.runner,
     )
 
 

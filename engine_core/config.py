@@ -27,6 +27,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     profiler_dir: str | None = None  # where start/stop_profile write traces
+    # auto | generate | pooling (vLLM's --runner): "pooling" serves a decoder's
+    # embeddings (last-token pooling) instead of generating.
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -39,5 +42,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")

@@ -8,6 +8,7 @@ take its place without touching the engine core.
 from __future__ import annotations
 
 from engine_core.config import EngineConfig
+from engine_core.encoder_runner import EncoderRunner
 from engine_core.model_config import ModelConfig
 from engine_core.model_runner import ModelRunner
 from engine_core.plan import SchedulePlan, StepResult
@@ -17,7 +18,11 @@ class InProcessExecutor:
     """Runs the single model runner in the engine-core process."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
-        self.runner = ModelRunner(config, model_config)
+        self.runner: ModelRunner | EncoderRunner
+        if model_config.is_encoder:
+            self.runner = EncoderRunner(config, model_config)
+        else:
+            self.runner = ModelRunner(config, model_config)
 
     def initialize_kv_cache(self) -> int:
         return self.runner.allocate_kv_cache()
