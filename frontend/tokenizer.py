@@ -51,9 +51,14 @@ class Tokenizer:
         """Token ids; with max_length, cut on the tokenizer's side, special tokens kept."""
         if max_length is None:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._tok(
-            text, add_special_tokens=add_special_tokens, truncation=True, max_length=max_length
-        )["input_ids"]
+        try:
+            ids = self._tok(
+                text, add_special_tokens=add_special_tokens, truncation=True, max_length=max_length
+            )["input_ids"]
+        finally:
+            # transformers leaves the truncation it set on the shared backend.
+            self.backend.no_truncation()
+            self.backend.no_padding()
         return list(ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -224,3 +224,31 @@ def test_generation_engine_refuses_pooling(tiny_models: dict[str, Path]) -> None
         AddRequest("p", [1, 2], SamplingParams(), 0.0, pooling_params=PoolingParams())
     )
     assert delta is not None and delta.error is not None and "['generate']" in delta.error
+
+
+def test_offline_sdk_embed_encode_score(minilm_dir: Path, minilm_engine: EngineCore) -> None:
+    from frontend.llm import LLM
+    from frontend.processor import UnsupportedTaskError
+
+    llm = LLM(str(minilm_dir), num_threads=NUM_THREADS)
+    embeds = llm.embed(TEXTS, use_tqdm=False)
+    assert [len(e.outputs.embedding) for e in embeds] == [384] * len(TEXTS)
+    engine_vectors, _, _ = embed_all(minilm_engine, [e.prompt_token_ids for e in embeds])
+    for i, e in enumerate(embeds):
+        np.testing.assert_array_equal(
+            np.asarray(e.outputs.embedding, "<f4"), engine_vectors[str(i)]
+        )
+    encoded = llm.encode([embeds[0].prompt_token_ids], use_tqdm=False)
+    # Alone rather than padded in a batch: equal up to float32 rounding.
+    np.testing.assert_allclose(encoded[0].outputs.data, embeds[0].outputs.embedding, atol=1e-6)
+    scores = llm.score(TEXTS[0], [TEXTS[0], TEXTS[1]], use_tqdm=False)
+    assert abs(scores[0].outputs.score - 1.0) < 1e-6
+    a, b = (np.asarray(e.outputs.embedding) for e in embeds[:2])
+    expected = float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+    assert abs(scores[1].outputs.score - expected) < 1e-6
+    cut = llm.embed("word " * 400, truncate_prompt_tokens=10, use_tqdm=False)
+    assert len(cut[0].prompt_token_ids) == 10 and cut[0].prompt_token_ids[-1] == 102
+    with pytest.raises(UnsupportedTaskError, match="embed"):
+        llm.generate("hi", use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.embed("word " * 400, use_tqdm=False)

@@ -112,6 +112,8 @@ def test_truncation_and_length_limit(embed_server: str) -> None:
     assert too_long.status_code == 400 and "256" in too_long.json()["error"]["message"]
     cut = post(embed_server, "/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": 16})
     assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 16
+    # The cut applies to that request only.
+    assert post(embed_server, "/v1/embeddings", {"input": long_text}).status_code == 400
     cut_ids = post(
         embed_server,
         "/v1/embeddings",
