@@ -29,6 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget in bytes (default: min(4 GiB, 25%% of free memory) on CPU)",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="pooling: serve a decoder's embeddings (last-token pooling) instead of generating",
+    )
     _add_profiler_arg(g)
     g.add_argument(
         "--max-waiting-requests",
@@ -77,6 +83,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         max_waiting_requests=ns.max_waiting_requests,
         max_queue_wait_s=ns.max_queue_wait,
         sleep_offload_dir=ns.sleep_offload_dir,
+        runner=ns.runner,
     )
 
 

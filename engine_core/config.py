@@ -32,6 +32,9 @@ class EngineConfig:
     # A request not yet scheduled after this many seconds is failed (None: no limit).
     max_queue_wait_s: float | None = None
     sleep_offload_dir: str | None = None  # level-1 sleep spills CPU weights here
+    # auto | generate | pooling (vLLM's --runner): "pooling" serves a decoder's
+    # embeddings (last-token pooling) instead of generating.
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -44,6 +47,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:

@@ -23,6 +23,7 @@ from engine_core.model_config import (
     ModelConfig,
     load_model_config,
     resolve_model_path,
+    supported_tasks,
 )
 from engine_core.request import Request
 from engine_core.scheduler import Scheduler
@@ -50,6 +51,7 @@ class EngineInfo:
     vocab_size: int
     num_kv_blocks: int
     eos_token_ids: tuple[int, ...]
+    supported_tasks: tuple[str, ...] = ("generate",)
 
 
 class EngineCore:
@@ -64,11 +66,14 @@ class EngineCore:
         self._asleep: set[str] = set()
         model_path = resolve_model_path(config.model)
         self.model_config: ModelConfig = load_model_config(model_path)
+        tasks = supported_tasks(self.model_config, config.runner)
         self.executor = InProcessExecutor(config, self.model_config)
         num_blocks = self.executor.initialize_kv_cache()
-        max_model_len = self._max_model_len(num_blocks)
+        max_model_len = self._max_model_len(num_blocks, pooling_only="generate" not in tasks)
+        # An encoder's blocks are bookkeeping only: nothing there to find again.
+        prefix_caching = config.enable_prefix_caching and not self.model_config.is_encoder
         self.scheduler = Scheduler(
-            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            BlockManager(num_blocks, config.block_size, prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
@@ -80,7 +85,7 @@ class EngineCore:
             tokenizer_dir_for(model_path),
             self.model_config.vocab_size,
             list(self.model_config.eos_token_ids),
-        )
+        )  # compiles nothing until a constrained request comes
         self._compiling: dict[str, Request] = {}
         self.info = EngineInfo(
             model_name=name,
@@ -90,6 +95,13 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size,
             num_kv_blocks=num_blocks,
             eos_token_ids=self.model_config.eos_token_ids,
+            supported_tasks=tuple(tasks),
+        )
+        logger.info(
+            "engine %s: tasks %s%s",
+            self.engine_id,
+            tasks,
+            f", pooling {self.executor.runner.pooler}" if "embed" in tasks else "",
         )
         logger.info(
             "engine %s ready in %.1f s: %s, dtype %s, %d KV blocks of %d, max_model_len %d",
@@ -102,9 +114,15 @@ class EngineCore:
             max_model_len,
         )
 
-    def _max_model_len(self, num_blocks: int) -> int:
+    def _max_model_len(self, num_blocks: int, pooling_only: bool) -> int:
         capacity = num_blocks * self.config.block_size
         limit = self.model_config.max_position_embeddings
+        if pooling_only:
+            # Pooling prompts are computed whole in one step, never chunked.
+            capacity = min(capacity, self.config.max_num_batched_tokens)
+            encoder = self.model_config.encoder
+            if encoder is not None and encoder.max_seq_length and self.config.max_model_len is None:
+                limit = min(limit, encoder.max_seq_length)  # sentence-transformers' limit
         if self.config.max_model_len is not None:
             if self.config.max_model_len > limit:
                 raise ValueError(
@@ -115,6 +133,7 @@ class EngineCore:
                 raise ValueError(
                     f"max_model_len {self.config.max_model_len} needs more KV cache than the "
                     f"budget allows ({capacity} tokens); raise kv_cache_memory_bytes"
+                    + (" or max_num_batched_tokens" if pooling_only else "")
                 )
             return self.config.max_model_len
         return min(limit, capacity)
@@ -132,7 +151,8 @@ class EngineCore:
             block_size=self.config.block_size,
             num_kv_blocks=info.num_kv_blocks,
             eos_token_ids=list(info.eos_token_ids),
-            supported_tasks=["generate"],
+            supported_tasks=list(info.supported_tasks),
+            hidden_size=self.model_config.hidden_size,
         )
 
     # --------------------------------------------------------------- requests
@@ -157,9 +177,10 @@ class EngineCore:
             client_id=client_id,
             priority=msg.priority,
             lora_name=msg.lora_name,
+            pooling_params=msg.pooling_params,
         )
         constraint = msg.sampling_params.structured_outputs
-        if constraint is not None:
+        if constraint is not None and msg.pooling_params is None:
             request.grammar = self.structured_output.compile_async(constraint)
             self._compiling[request.request_id] = request
         self.scheduler.add_request(request)
@@ -180,17 +201,25 @@ class EngineCore:
     def _validate(self, msg: AddRequest) -> str | None:
         if msg.request_id in self.scheduler.requests:
             return f"request id {msg.request_id!r} is already in use"
+        task = "generate" if msg.pooling_params is None else msg.pooling_params.task
+        tasks = self.info.supported_tasks
+        if task not in tasks:
+            return f"this model does not support the {task!r} task; it supports {list(tasks)}"
         n = len(msg.prompt_token_ids)
         if n == 0:
             return "the prompt is empty"
         max_len = self.info.max_model_len
-        if n >= max_len:
+        # A generation prompt must leave room for one new token; a pooled one need not.
+        if n > max_len or (n == max_len and msg.pooling_params is None):
             return f"the prompt has {n} tokens; the maximum context length is {max_len}"
         vocab = self.info.vocab_size
         if any(t < 0 or t >= vocab for t in msg.prompt_token_ids):
             return f"prompt token ids must be in [0, {vocab})"
         try:
-            msg.sampling_params.validate(vocab)
+            if msg.pooling_params is not None:
+                msg.pooling_params.validate()
+            else:
+                msg.sampling_params.validate(vocab)
         except ValueError as e:
             return str(e)
         return None

@@ -1,7 +1,9 @@
 """ModelConfig: the architecture facts of a checkpoint, read from its files.
 
 Imports no torch. Reads an HF `config.json` or a GGUF file's metadata into
-one frozen description that the model code and the runner share.
+one frozen description that the model code and the runner share. BERT-style
+encoders (`BertModel`) are recognized too, with the sentence-transformers
+pooling config found next to their weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+ENCODER_ARCHITECTURES = ("BertModel",)
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -33,6 +36,28 @@ _GGUF_ARCHITECTURES = {
 
 class ModelLoadError(Exception):
     """A model that cannot be loaded: names the file and the problem."""
+
+
+POOLING_TYPES = ("MEAN", "CLS", "LAST")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How hidden states become one vector: which tokens, and L2-normalized or not."""
+
+    pooling_type: str  # MEAN | CLS | LAST
+    normalize: bool
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """What a BERT-style encoder adds to the shared facts."""
+
+    layer_norm_eps: float
+    type_vocab_size: int
+    hidden_act: str
+    # sentence-transformers' max_seq_length, when it is below the position limit
+    max_seq_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +82,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
+    encoder: EncoderConfig | None = None  # set for BERT-style encoders
+    pooler: PoolerConfig | None = None  # the pooling config found next to the weights
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.encoder is not None
 
     @property
     def is_gguf(self) -> bool:
@@ -119,6 +150,113 @@ def load_model_config(path: str) -> ModelConfig:
     return config
 
 
+def supported_tasks(config: ModelConfig, runner: str) -> list[str]:
+    """The tasks an engine serves: encoders embed; decoders generate, or embed as poolers.
+
+    `runner` is "auto", "generate" or "pooling" (vLLM's --runner); as in vLLM a
+    decoder run as a pooling model serves embeddings only (last-token pooling).
+    """
+    if config.is_encoder:
+        if runner == "generate":
+            raise ModelLoadError(f"{config.path}: an encoder model cannot run as a generator")
+        return ["embed"]
+    return ["embed"] if runner == "pooling" else ["generate"]
+
+
+def default_pooler(config: ModelConfig) -> PoolerConfig:
+    """The model's own pooling config, or vLLM's default: CLS for encoders, LAST for decoders."""
+    if config.pooler is not None:
+        return config.pooler
+    return PoolerConfig("CLS" if config.is_encoder else "LAST", normalize=True)
+
+
+def read_pooler_config(path: str) -> PoolerConfig | None:
+    """sentence-transformers' modules.json + Pooling config, when the directory has them."""
+    root = Path(path)
+    modules_file = root / "modules.json"
+    pooling_dir = root / "1_Pooling"
+    normalize = False
+    try:
+        if modules_file.is_file():
+            modules = json.loads(modules_file.read_text())
+            for module in modules:
+                kind = str(module.get("type", ""))
+                if kind.endswith(".Pooling"):
+                    pooling_dir = root / str(module.get("path", "1_Pooling"))
+                elif kind.endswith(".Normalize"):
+                    normalize = True
+        pooling_file = pooling_dir / "config.json"
+        if not pooling_file.is_file():
+            return None
+        raw = json.loads(pooling_file.read_text())
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{path}: cannot read the sentence-transformers config: {e}") from e
+    mode = raw.get("pooling_mode")
+    if mode is None:
+        modes = {
+            "MEAN": raw.get("pooling_mode_mean_tokens"),
+            "CLS": raw.get("pooling_mode_cls_token"),
+            "LAST": raw.get("pooling_mode_lasttoken"),
+            "MAX": raw.get("pooling_mode_max_tokens"),
+            "MEAN_SQRT_LEN": raw.get("pooling_mode_mean_sqrt_len_tokens"),
+        }
+        chosen = [name for name, on in modes.items() if on]
+        if len(chosen) != 1:
+            raise ModelLoadError(f"{pooling_file}: expected exactly one pooling mode, got {chosen}")
+        mode = chosen[0]
+    mode = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}.get(str(mode), str(mode))
+    if mode not in POOLING_TYPES:
+        raise ModelLoadError(
+            f"{pooling_file}: pooling mode {mode} is not supported "
+            f"(supported: {', '.join(POOLING_TYPES)})"
+        )
+    return PoolerConfig(mode, normalize)
+
+
+def _encoder_config(path: str, raw: dict[str, Any], config_file: Path) -> ModelConfig:
+    """A BertModel directory: absolute positions, post-LayerNorm, GELU."""
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        raise ModelLoadError(f"{config_file}: only absolute position embeddings are supported")
+    if raw.get("is_decoder"):
+        raise ModelLoadError(f"{config_file}: a BERT decoder is not supported")
+    max_seq_length = None
+    st_file = Path(path) / "sentence_bert_config.json"
+    try:
+        if st_file.is_file():
+            max_seq_length = json.loads(st_file.read_text()).get("max_seq_length")
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        if hidden % heads:
+            raise ModelLoadError(f"{config_file}: hidden_size is not a multiple of the heads")
+        return ModelConfig(
+            path=path,
+            architecture="BertModel",
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=0.0,
+            rope_theta=0.0,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 512)),
+            tie_word_embeddings=False,
+            attention_bias=True,
+            qk_norm=False,
+            eos_token_ids=(),
+            encoder=EncoderConfig(
+                layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+                type_vocab_size=int(raw.get("type_vocab_size", 2)),
+                hidden_act=str(raw.get("hidden_act", "gelu")),
+                max_seq_length=int(max_seq_length) if max_seq_length else None,
+            ),
+            pooler=read_pooler_config(path),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{config_file}: missing or invalid field: {e}") from e
+
+
 def _config_from_hf_dir(path: str) -> ModelConfig:
     config_file = Path(path) / "config.json"
     try:
@@ -126,11 +264,15 @@ def _config_from_hf_dir(path: str) -> ModelConfig:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{config_file}: cannot read: {e}") from e
     archs = raw.get("architectures") or []
+    if any(a in ENCODER_ARCHITECTURES for a in archs) or (
+        not archs and raw.get("model_type") == "bert"
+    ):
+        return _encoder_config(path, raw, config_file)
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(
             f"{config_file}: architecture {archs} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES)})"
         )
     if arch == "MistralForCausalLM" and raw.get("sliding_window"):
         max_pos = raw.get("max_position_embeddings", 0)
@@ -176,6 +318,7 @@ def _config_from_hf_dir(path: str) -> ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            pooler=read_pooler_config(path),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{config_file}: missing or invalid field: {e}") from e

@@ -17,14 +17,16 @@ import torch
 
 from engine_core.attention import AttentionMetadata, PrefillSeq
 from engine_core.config import EngineConfig
-from engine_core.model_config import ModelConfig
+from engine_core.model_config import ModelConfig, default_pooler
 from engine_core.models.llama import LlamaModel
 from engine_core.plan import NewRequestData, SchedulePlan, StepResult
+from engine_core.pooler import finish, pool_flat
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
 from engine_core.sleep import ParkedWeights, release_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
 from engine_core.weights import load_weights
 from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     matcher: Any = None  # xgrammar GrammarMatcher of a constrained request
+    pooling: PoolingParams | None = None  # set for a pooling request (--runner pooling)
 
 
 class ModelRunner:
@@ -89,6 +92,7 @@ class ModelRunner:
         # Sleep mode: the parked weights (level 1), or None with model None (level 2).
         self._parked: ParkedWeights | None = None
         self.eos_token_ids = model_config.eos_token_ids
+        self.pooler = default_pooler(model_config)
         # Built (once per machine, then cached) before serving, not on the first step.
         self.compiled_decode = (
             self.device.type == "cpu"
@@ -199,6 +203,7 @@ class ModelRunner:
             generator=generator,
             output_token_ids=output_token_ids,
             matcher=matcher,
+            pooling=new.pooling_params,
         )
 
     @torch.inference_mode()
@@ -225,6 +230,7 @@ class ModelRunner:
         sample_ids: list[str] = []
         logit_rows: list[int] = []  # flat index of each sampling row's last token
         prompt_lp_rows: list[tuple[str, int, int, int]] = []  # (id, flat start, pos, n)
+        pool_rows: list[tuple[str, int, int]] = []  # (id, flat start, n): whole prompts
         bs = self.block_size
         for request_id in order:
             state = self.requests[request_id]
@@ -249,7 +255,10 @@ class ModelRunner:
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 last = min(end, state.num_prompt_tokens - 1)
                 prompt_lp_rows.append((request_id, flat_start, start, last - start))
-            if end == len(state.token_ids):
+            if state.pooling is not None:
+                assert start == 0 and end == len(state.token_ids), "pooling is never chunked"
+                pool_rows.append((request_id, flat_start, n))
+            elif end == len(state.token_ids):
                 sample_ids.append(request_id)
                 logit_rows.append(len(input_ids) - 1)
 
@@ -274,6 +283,8 @@ class ModelRunner:
             self.kv_caches,
         )
         result = StepResult()
+        if pool_rows:
+            self._pool(hidden, pool_rows, result)
         for request_id, flat_start, pos, n in prompt_lp_rows:
             state = self.requests[request_id]
             logits = self.model.compute_logits(hidden[flat_start : flat_start + n]).cpu()
@@ -299,6 +310,21 @@ class ModelRunner:
                 if lp is not None:
                     result.logprobs[request_id] = lp
         return result
+
+    def _pool(
+        self, hidden: torch.Tensor, rows: list[tuple[str, int, int]], result: StepResult
+    ) -> None:
+        """The pooled vectors of whole prompts computed in this step."""
+        pooled = pool_flat(
+            hidden, [r[1] for r in rows], [r[2] for r in rows], self.pooler.pooling_type
+        )  # [num_rows, hidden]
+        normalize = []
+        for request_id, _, _ in rows:
+            params = self.requests[request_id].pooling
+            flag = params.normalize if params is not None else None
+            normalize.append(self.pooler.normalize if flag is None else flag)
+        for (request_id, _, _), vector in zip(rows, finish(pooled, normalize), strict=True):
+            result.pooled[request_id] = vector
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(

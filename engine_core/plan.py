@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.messages import Logprobs
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class NewRequestData:
     num_output_tokens: int = 0
     # An xgrammar CompiledGrammar when the output is constrained.
     grammar: Any = None
+    # Set for a pooling request: all of its tokens are scheduled in this step.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -66,3 +69,5 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
     # Requests whose grammar reached its end with this step's token.
     grammar_terminated: set[str] = field(default_factory=set)
+    # Pooling requests' vectors: little-endian float32 bytes.
+    pooled: dict[str, bytes] = field(default_factory=dict)

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from protocol.messages import Logprobs
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ class Request:
         client_id: str = "",
         priority: int = 0,
         lora_name: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
@@ -49,6 +51,8 @@ class Request:
         self.queued_at = time.monotonic()
         self.priority = priority
         self.lora_name = lora_name
+        # A pooling request is computed whole in one step and then finishes.
+        self.pooling_params = pooling_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling
@@ -67,6 +71,10 @@ class Request:
         """Schedulable: no grammar, or one that compiled (the engine reaps failures)."""
         g = self.grammar
         return g is None or (g.done() and g.exception() is None)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,11 @@ then waiting ones; a prompt longer than the budget left is chunked. When
 blocks run out, the lowest-priority, newest running request not yet
 scheduled in this step is preempted: its blocks are freed and it is
 recomputed later (prefix caching usually gives most of them back).
+
+Pooling requests are never chunked and never use the prefix cache: each is
+scheduled whole in one step (an encoder attends in both directions and the
+pooled vector needs every token's hidden state), batched with the other
+requests of that step, and finishes in that step's update with its vector.
 """
 
 from __future__ import annotations
@@ -115,7 +120,10 @@ class Scheduler:
             request = ready
             computed: list[int] = []
             num_hit = 0
-            if request.sampling_params.prompt_logprobs is None:
+            if request.is_pooling:
+                if request.num_tokens > budget:
+                    break  # whole or not at all; the next step has a fresh budget
+            elif request.sampling_params.prompt_logprobs is None:
                 # Prompt logprobs need every prompt position computed.
                 computed, num_hit = self.block_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
@@ -139,6 +147,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     num_output_tokens=request.num_output_tokens,
                     grammar=request.grammar.result() if request.grammar is not None else None,
+                    pooling_params=request.pooling_params,
                 )
             )
             self._runner_known.add(request.request_id)
@@ -169,6 +178,14 @@ class Scheduler:
                 num_known = len(request.prompt_logprobs) - (start + 1)
                 assert num_known >= 0, "prompt logprobs skipped a position"
                 request.prompt_logprobs.extend(chunk_logprobs[num_known:])
+            pooled = result.pooled.get(request_id)
+            if pooled is not None:
+                request.finish_reason = "stop"
+                delta = RequestDelta(request_id, [], finish_reason="stop", pooled=pooled)
+                self.running.remove(request)
+                self._free(request)
+                deltas.append((request, delta))
+                continue
             token_id = result.sampled_token_ids.get(request_id)
             if token_id is None:
                 continue  # a prompt chunk that does not reach the end yet

@@ -7,6 +7,11 @@
 
 The API server is built on this class. Outputs are deltas by default
 (`output_kind="delta"`): each RequestOutput carries only what is new.
+
+Pooling models (engines whose Ready lists "embed") answer `encode`:
+
+    async for out in engine.encode("Hello", PoolingParams(), "req-2"):
+        vector = out.outputs.data                              # list[float]
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from frontend.engine_client import AsyncMPClient, EngineDeadError
 from frontend.output_processor import OutputKind, RequestState
-from frontend.outputs import RequestOutput
+from frontend.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from frontend.pooling import floats_from_bytes
 from frontend.processor import Processor, PromptType
 from frontend.tokenizer import Tokenizer
 from protocol.messages import RequestDelta
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -226,6 +233,53 @@ class AsyncLLM:
             if unfinished and self.client.dead is None:
                 # The caller went away (disconnect, cancel): free the engine's blocks now.
                 await self.client.abort(unfinished)
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """Pool one prompt; yields one finished output (vLLM's shape), then stops."""
+        if request_id in self._active:
+            raise EngineRequestError(f"request id {request_id!r} is already in use")
+        processed = self.processor.process_pooling_prompt(prompt, truncate_prompt_tokens)
+        request = self.processor.make_pooling_request(
+            request_id, processed, pooling_params or PoolingParams(), priority
+        )
+        queue: DeltaQueue = asyncio.Queue()
+        started = time.monotonic()
+        finished = False
+        self._active[request_id] = ([request_id], queue)
+        try:
+            await self.client.add_request(request, _enqueue(queue, 0))
+            index, delta, _ = await queue.get()
+            if index < 0:
+                return  # aborted through abort()
+            if delta is None:
+                raise EngineDeadError(self.client.dead or "the engine core died")
+            finished = True
+            if delta.error is not None:
+                raise EngineRequestError(delta.error)
+            if delta.pooled is None:
+                raise EngineRequestError("the engine returned no pooled vector")
+            if self.metrics is not None:
+                self.metrics.observe_finished(
+                    time.monotonic() - started, len(processed.prompt_token_ids), 0, ["stop"]
+                )
+            yield PoolingRequestOutput(
+                request_id,
+                processed.prompt,
+                processed.prompt_token_ids,
+                PoolingOutput(floats_from_bytes(delta.pooled)),
+            )
+        finally:
+            del self._active[request_id]
+            self.client.forget(request_id)
+            if not finished and self.client.dead is None:
+                await self.client.abort([request_id])
 
     async def abort(self, request_id: str) -> None:
         active = self._active.get(request_id)

@@ -5,7 +5,12 @@
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
 The engine runs in this process behind the same client interface that the
-API server uses over ZeroMQ.
+API server uses over ZeroMQ. Embedding models answer `embed`, `encode` and
+`score` instead (vLLM's return shapes):
+
+    llm = LLM("path/to/all-MiniLM-L6-v2")
+    llm.embed(["Hello"])[0].outputs.embedding         # list[float]
+    llm.score("a cat", ["a dog", "a car"])[0].outputs.score   # cosine similarity
 """
 
 from __future__ import annotations
@@ -18,9 +23,19 @@ from tqdm import tqdm
 
 from frontend.engine_client import InprocClient
 from frontend.output_processor import RequestState
-from frontend.outputs import RequestOutput
+from frontend.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from frontend.pooling import cosine_similarity, floats_from_bytes, score_pairs
 from frontend.processor import Processor, PromptType
 from frontend.tokenizer import Tokenizer
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -85,6 +100,87 @@ class LLM:
         ]
         # The template already holds the special tokens.
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """One pooled vector per prompt (`.outputs.data`), in order, batched by the engine."""
+        params = pooling_params or PoolingParams()
+        processed = [
+            self.processor.process_pooling_prompt(p, truncate_prompt_tokens)
+            for p in _as_prompt_list(prompts)
+        ]
+        requests = [
+            self.processor.make_pooling_request(str(next(self._ids)), p, params) for p in processed
+        ]
+        vectors: dict[str, list[float]] = {}
+        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            for request in requests:
+                self.client.add_request(request)
+            while len(vectors) < len(requests):
+                if not self.client.has_work():
+                    raise RuntimeError("the engine stopped with requests unfinished")
+                for delta in self.client.get_outputs():
+                    if delta.error is not None:
+                        raise ValueError(delta.error)
+                    if delta.pooled is not None:
+                        vectors[delta.request_id] = floats_from_bytes(delta.pooled)
+                        bar.update(1)
+        except BaseException:
+            self.client.abort([r.request_id for r in requests])
+            raise
+        finally:
+            bar.close()
+        return [
+            PoolingRequestOutput(
+                r.request_id, p.prompt, p.prompt_token_ids, PoolingOutput(vectors[r.request_id])
+            )
+            for r, p in zip(requests, processed, strict=True)
+        ]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: `.outputs.embedding`."""
+        return [
+            EmbeddingRequestOutput(
+                o.request_id, o.prompt, o.prompt_token_ids, EmbeddingOutput(o.outputs.data)
+            )
+            for o in self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        ]
+
+    def score(
+        self,
+        text_1: str | list[str],
+        text_2: str | list[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Cosine similarity of embeddings per pair (one with N, or N with N)."""
+        pairs = score_pairs(text_1, text_2)
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        outs = self.embed(texts, None, use_tqdm, truncate_prompt_tokens)
+        by_text = dict(zip(texts, outs, strict=True))
+        results = []
+        for a, b in pairs:
+            ea, eb = by_text[a], by_text[b]
+            results.append(
+                ScoringRequestOutput(
+                    f"{ea.request_id}_{eb.request_id}",
+                    ea.prompt_token_ids + eb.prompt_token_ids,
+                    ScoringOutput(cosine_similarity(ea.outputs.embedding, eb.outputs.embedding)),
+                )
+            )
+        return results
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.client.call_utility("reset_prefix_cache"))

@@ -53,3 +53,63 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- pooling
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one prompt (vLLM's PoolingOutput, as a list)."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request's result: `outputs.data` is the vector."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result per prompt: `outputs.embedding`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one pair (cosine similarity of the two embeddings)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's result per pair: `outputs.score`; token ids of both texts."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -15,6 +15,7 @@ from typing import Any
 from frontend.output_processor import child_params, child_request_id
 from frontend.tokenizer import Tokenizer
 from protocol.messages import AddRequest, Ready
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
@@ -22,6 +23,10 @@ PromptType = str | list[int] | dict[str, Any]
 
 class PromptTooLongError(SamplingParamsError):
     """Prompt plus max_tokens does not fit the context."""
+
+
+class UnsupportedTaskError(ValueError):
+    """The model does not serve this task (generate on an encoder, embed on a generator)."""
 
 
 @dataclass
@@ -37,6 +42,70 @@ class Processor:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        self.supported_tasks = list(ready.supported_tasks)
+        self.model_name = ready.model_name
+
+    def check_task(self, task: str) -> None:
+        if task not in self.supported_tasks:
+            raise UnsupportedTaskError(
+                f"The model `{self.model_name}` does not support the {task!r} task; "
+                f"it supports {self.supported_tasks}"
+            )
+
+    def process_pooling_prompt(
+        self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+    ) -> ProcessedPrompt:
+        """Tokenize for pooling; truncate_prompt_tokens k keeps k tokens (-1: the context).
+
+        Text is cut by the tokenizer (its start and special tokens kept), token
+        ids keep their last k, as vLLM does.
+        """
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens == -1:
+                truncate_prompt_tokens = self.max_model_len
+            if not 1 <= truncate_prompt_tokens <= self.max_model_len:
+                raise SamplingParamsError(
+                    "truncate_prompt_tokens",
+                    f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}]",
+                )
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
+        if text is not None and truncate_prompt_tokens is not None:
+            return ProcessedPrompt(text, self.tokenizer.encode(text, True, truncate_prompt_tokens))
+        processed = self.process_prompt(prompt)
+        if truncate_prompt_tokens is not None:
+            processed.prompt_token_ids = processed.prompt_token_ids[-truncate_prompt_tokens:]
+        return processed
+
+    def make_pooling_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: PoolingParams,
+        priority: int = 0,
+    ) -> AddRequest:
+        """Validate a pooling request: the model embeds, the prompt fits the context."""
+        self.check_task(params.task)
+        params.validate()
+        num_prompt = len(prompt.prompt_token_ids)
+        if num_prompt == 0:
+            raise SamplingParamsError("input", "the input is empty")
+        if num_prompt > self.max_model_len:
+            raise PromptTooLongError(
+                "input",
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_prompt} tokens in the input. "
+                "Please reduce the length of the input (or set truncate_prompt_tokens).",
+            )
+        return AddRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.prompt_token_ids,
+            sampling_params=SamplingParams(max_tokens=1),
+            arrival_time=time.time(),
+            priority=priority,
+            pooling_params=params,
+        )
 
     def process_prompt(
         self, prompt: PromptType, add_special_tokens: bool = True
@@ -78,6 +147,7 @@ class Processor:
         lora_name: str | None = None,
     ) -> tuple[SamplingParams, list[AddRequest]]:
         """Validate and fan out; returns the effective params and the engine requests."""
+        self.check_task("generate")
         num_prompt = len(prompt.prompt_token_ids)
         if num_prompt == 0:
             raise SamplingParamsError("prompt", "the prompt is empty")

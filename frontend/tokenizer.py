@@ -31,6 +31,10 @@ class Tokenizer:
                 template_file.read_text() if template_file.is_file() else chat_template
             )
         self.backend = self._tok.backend_tokenizer
+        # Some tokenizer.json files (BERT exports) pad or cut every encoding to
+        # a fixed length; a prompt is exactly its own tokens.
+        self.backend.no_padding()
+        self.backend.no_truncation()
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.all_special_ids: set[int] = set(self._tok.all_special_ids)
@@ -41,8 +45,21 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._tok.chat_template
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> list[int]:
+        """Token ids; with max_length, cut on the tokenizer's side, special tokens kept."""
+        if max_length is None:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok(
+                text, add_special_tokens=add_special_tokens, truncation=True, max_length=max_length
+            )["input_ids"]
+        finally:
+            # transformers leaves the truncation it set on the shared backend.
+            self.backend.no_truncation()
+            self.backend.no_padding()
+        return list(ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

