@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from engine_core.structured_output import advance_matcher, apply_grammar_bitmask
 from engine_core.weights import load_weights
 from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
 from protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.triton_attention import TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,10 @@ class ModelRunner:
         weights = load_weights(model_config)
         self.model = LlamaModel(model_config, weights, self.dtype, self.device)
         self.block_size = config.block_size
+        # CUDA runs the Triton kernels (the model picks them by the same test).
+        self.use_triton = self.device.type == "cuda"
+        if self.use_triton and self.block_size < 16:
+            raise ValueError(f"block_size must be at least 16 on CUDA, got {self.block_size}")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids = model_config.eos_token_ids
@@ -181,6 +188,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
+        prefill_rows: list[tuple[int, int, list[int]]] = []  # (query_len, context_len, blocks)
         sample_ids: list[str] = []
         logit_rows: list[int] = []  # flat index of each sampling row's last token
         prompt_lp_rows: list[tuple[str, int, int, int]] = []  # (id, flat start, pos, n)
@@ -200,6 +208,7 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 num_blocks = -(-end // bs)
+                prefill_rows.append((n, end, blocks[:num_blocks]))
                 prefills.append(
                     PrefillSeq(
                         flat_start, n, end, torch.tensor(blocks[:num_blocks], dtype=torch.long)
@@ -213,19 +222,13 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
 
         device = self.device
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        table = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
-        for i, blocks in enumerate(decode_tables):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            num_decode_tokens=len(decode_tables),
-            decode_block_tables=table.to(device),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
-            decode_max_len=max(decode_lens, default=0),
-            prefills=prefills,
-            compiled_decode=self.compiled_decode,
-        )
+        meta: AttentionMetadata | TritonAttentionMetadata
+        if self.use_triton:
+            from engine_core.triton_attention import build_metadata
+
+            meta = build_metadata(slots, decode_tables, decode_lens, prefill_rows, device)
+        else:
+            meta = self._torch_metadata(slots, decode_tables, decode_lens, prefills)
         hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
@@ -258,6 +261,28 @@ class ModelRunner:
                 if lp is not None:
                     result.logprobs[request_id] = lp
         return result
+
+    def _torch_metadata(
+        self,
+        slots: list[int],
+        decode_tables: list[list[int]],
+        decode_lens: list[int],
+        prefills: list[PrefillSeq],
+    ) -> AttentionMetadata:
+        device = self.device
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        table = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
+        for i, blocks in enumerate(decode_tables):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=table.to(device),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+            decode_max_len=max(decode_lens, default=0),
+            prefills=prefills,
+            compiled_decode=self.compiled_decode,
+        )
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(
