@@ -31,6 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     _add_profiler_arg(g)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CUDA: never replay CUDA graphs for decode",
+    )
 
 
 def _add_profiler_arg(g: argparse._ArgumentGroup) -> None:
@@ -56,6 +62,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         seed=ns.seed,
         num_threads=ns.num_threads,
         profiler_dir=ns.profiler_dir,
+        enforce_eager=ns.enforce_eager,
     )
 
 

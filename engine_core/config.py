@@ -27,6 +27,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     profiler_dir: str | None = None  # where start/stop_profile write traces
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

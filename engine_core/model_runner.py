@@ -27,6 +27,7 @@ from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
 from protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine_core.cuda_graphs import DecodeGraphs
     from engine_core.triton_attention import TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class ModelRunner:
         if self.use_triton and self.block_size < 16:
             raise ValueError(f"block_size must be at least 16 on CUDA, got {self.block_size}")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids = model_config.eos_token_ids
         # Built (once per machine, then cached) before serving, not on the first step.
@@ -124,7 +126,30 @@ class ModelRunner:
             )
             for _ in range(mc.num_layers)
         ]
+        if self.use_triton and not self.config.enforce_eager:
+            self._capture_graphs(int(num_blocks))
         return int(num_blocks)
+
+    def _capture_graphs(self, num_blocks: int) -> None:
+        from engine_core.cuda_graphs import DecodeGraphs
+
+        mc = self.model_config
+        limit = min(mc.max_position_embeddings, num_blocks * self.block_size)
+        if self.config.max_model_len is not None:
+            limit = min(limit, self.config.max_model_len)
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.config.max_num_seqs,
+            -(-limit // self.block_size),
+            self.device,
+        )
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - any capture failure means: decode eagerly
+            logger.warning("CUDA graph capture failed (%s); decoding eagerly", e)
+            return
+        self.graphs = graphs
 
     def _default_kv_budget(self) -> int:
         if self.device.type == "cuda":
@@ -137,6 +162,7 @@ class ModelRunner:
         return int(min(DEFAULT_CPU_KV_BYTES, available * 0.25))
 
     def release_kv_cache(self) -> None:
+        self.graphs = None
         self.kv_caches = []
         self.requests.clear()
 
@@ -222,19 +248,23 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
 
         device = self.device
-        meta: AttentionMetadata | TritonAttentionMetadata
-        if self.use_triton:
-            from engine_core.triton_attention import build_metadata
+        hidden = None
+        if self.graphs is not None and not prefill_rows:
+            hidden = self.graphs.run(input_ids, positions, slots, decode_tables, decode_lens)
+        if hidden is None:
+            meta: AttentionMetadata | TritonAttentionMetadata
+            if self.use_triton:
+                from engine_core.triton_attention import build_metadata
 
-            meta = build_metadata(slots, decode_tables, decode_lens, prefill_rows, device)
-        else:
-            meta = self._torch_metadata(slots, decode_tables, decode_lens, prefills)
-        hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            meta,
-            self.kv_caches,
-        )
+                meta = build_metadata(slots, decode_tables, decode_lens, prefill_rows, device)
+            else:
+                meta = self._torch_metadata(slots, decode_tables, decode_lens, prefills)
+            hidden = self.model.forward(
+                torch.tensor(input_ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                meta,
+                self.kv_caches,
+            )
         result = StepResult()
         for request_id, flat_start, pos, n in prompt_lp_rows:
             state = self.requests[request_id]
