@@ -10,7 +10,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (read at import, as triton does)."""
+    """Whether TRITON_INTERPRET is on now; triton itself reads it when kernels are decorated."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 

@@ -70,6 +70,20 @@ def test_paged_decode_attention(
     check_close(out, expected, dtype, f"decode split={split}")
 
 
+def test_paged_decode_attention_default_split_long_context() -> None:
+    """The launcher's own choice: a table wider than one 512-token partition goes split-K,
+    int64 tables and lengths as the torch path uses them."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [1100, 1, 513]
+    k_cache, v_cache, tables = make_paged_cache(lens, 1, 64, 16, BF16, gen)
+    query = randn(len(lens), 4, 64, dtype=BF16, gen=gen)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    out = poisoned(query.shape, BF16)
+    paged_decode_attention(query, k_cache, v_cache, tables.long(), seq_lens, 0.125, out=out)
+    expected = ref.paged_decode_attention_ref(query, k_cache, v_cache, tables, seq_lens, 0.125)
+    check_close(out, expected, BF16, "decode default split")
+
+
 # (dtype, head_dim, block_size, group, kv_heads)
 PREFILL_CASES = grid(
     [

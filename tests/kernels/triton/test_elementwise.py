@@ -139,3 +139,10 @@ def test_elementwise_launchers_reject_bad_input() -> None:
         reshape_and_cache(q, q.clone(), cache, cache.clone(), torch.tensor([0]))
     with pytest.raises(ValueError, match="int32 or int64"):
         reshape_and_cache(q, q.clone(), cache, cache.clone(), torch.tensor([0.0, 1.0]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_cpu_tensors_refused_outside_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        silu_and_mul(torch.randn(2, 8))
