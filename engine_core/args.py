@@ -55,6 +55,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="where sleep level 1 spills CPU weights (default: the system temp dir)",
     )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CUDA: never replay CUDA graphs for decode",
+    )
 
 
 def _add_profiler_arg(g: argparse._ArgumentGroup) -> None:
@@ -84,6 +90,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         max_queue_wait_s=ns.max_queue_wait,
         sleep_offload_dir=ns.sleep_offload_dir,
         runner=ns.runner,
+        enforce_eager=ns.enforce_eager,
     )
 
 

@@ -35,6 +35,7 @@ class EngineConfig:
     # auto | generate | pooling (vLLM's --runner): "pooling" serves a decoder's
     # embeddings (last-token pooling) instead of generating.
     runner: str = "auto"
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,10 @@ from engine_core.weights import load_weights
 from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
 from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.cuda_graphs import DecodeGraphs
+    from engine_core.triton_attention import TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +90,12 @@ class ModelRunner:
         weights = load_weights(model_config)
         self.model = LlamaModel(model_config, weights, self.dtype, self.device)
         self.block_size = config.block_size
+        # CUDA runs the Triton kernels (the model picks them by the same test).
+        self.use_triton = self.device.type == "cuda"
+        if self.use_triton and self.block_size < 16:
+            raise ValueError(f"block_size must be at least 16 on CUDA, got {self.block_size}")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.requests: dict[str, CachedRequestState] = {}
         self.num_kv_blocks = 0
         # Sleep mode: the parked weights (level 1), or None with model None (level 2).
@@ -127,7 +136,30 @@ class ModelRunner:
             )
             for _ in range(mc.num_layers)
         ]
+        if self.use_triton and not self.config.enforce_eager:
+            self._capture_graphs(int(num_blocks))
         return int(num_blocks)
+
+    def _capture_graphs(self, num_blocks: int) -> None:
+        from engine_core.cuda_graphs import DecodeGraphs
+
+        mc = self.model_config
+        limit = min(mc.max_position_embeddings, num_blocks * self.block_size)
+        if self.config.max_model_len is not None:
+            limit = min(limit, self.config.max_model_len)
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.config.max_num_seqs,
+            -(-limit // self.block_size),
+            self.device,
+        )
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - any capture failure means: decode eagerly
+            logger.warning("CUDA graph capture failed (%s); decoding eagerly", e)
+            return
+        self.graphs = graphs
 
     def _default_kv_budget(self) -> int:
         if self.device.type == "cuda":
@@ -140,6 +172,7 @@ class ModelRunner:
         return int(min(DEFAULT_CPU_KV_BYTES, available * 0.25))
 
     def release_kv_cache(self) -> None:
+        self.graphs = None
         self.kv_caches = []
         self.requests.clear()
         release_freed_memory(self.device)
@@ -227,6 +260,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
+        prefill_rows: list[tuple[int, int, list[int]]] = []  # (query_len, context_len, blocks)
         sample_ids: list[str] = []
         logit_rows: list[int] = []  # flat index of each sampling row's last token
         prompt_lp_rows: list[tuple[str, int, int, int]] = []  # (id, flat start, pos, n)
@@ -247,6 +281,7 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 num_blocks = -(-end // bs)
+                prefill_rows.append((n, end, blocks[:num_blocks]))
                 prefills.append(
                     PrefillSeq(
                         flat_start, n, end, torch.tensor(blocks[:num_blocks], dtype=torch.long)
@@ -263,25 +298,23 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
 
         device = self.device
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        table = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
-        for i, blocks in enumerate(decode_tables):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            num_decode_tokens=len(decode_tables),
-            decode_block_tables=table.to(device),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
-            decode_max_len=max(decode_lens, default=0),
-            prefills=prefills,
-            compiled_decode=self.compiled_decode,
-        )
-        hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            meta,
-            self.kv_caches,
-        )
+        hidden = None
+        if self.graphs is not None and not prefill_rows:
+            hidden = self.graphs.run(input_ids, positions, slots, decode_tables, decode_lens)
+        if hidden is None:
+            meta: AttentionMetadata | TritonAttentionMetadata
+            if self.use_triton:
+                from engine_core.triton_attention import build_metadata
+
+                meta = build_metadata(slots, decode_tables, decode_lens, prefill_rows, device)
+            else:
+                meta = self._torch_metadata(slots, decode_tables, decode_lens, prefills)
+            hidden = self.model.forward(
+                torch.tensor(input_ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                meta,
+                self.kv_caches,
+            )
         result = StepResult()
         if pool_rows:
             self._pool(hidden, pool_rows, result)
@@ -325,6 +358,28 @@ class ModelRunner:
             normalize.append(self.pooler.normalize if flag is None else flag)
         for (request_id, _, _), vector in zip(rows, finish(pooled, normalize), strict=True):
             result.pooled[request_id] = vector
+
+    def _torch_metadata(
+        self,
+        slots: list[int],
+        decode_tables: list[list[int]],
+        decode_lens: list[int],
+        prefills: list[PrefillSeq],
+    ) -> AttentionMetadata:
+        device = self.device
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        table = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
+        for i, blocks in enumerate(decode_tables):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=table.to(device),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+            decode_max_len=max(decode_lens, default=0),
+            prefills=prefills,
+            compiled_decode=self.compiled_decode,
+        )
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(

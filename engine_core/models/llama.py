@@ -5,6 +5,10 @@ a per-head RMSNorm on q and k. Projections are fused at load (q|k|v into one
 matmul, gate|up into another) because on CPU fewer, larger matmuls are
 faster. Tokens arrive flat: [num_tokens] ids and positions for the whole
 batch, with attention described by AttentionMetadata.
+
+On CUDA the same weights run through the Triton kernels (kernels/triton_ops):
+RMSNorm, fused add + RMSNorm, rotary in place, SiLU-and-mul and paged
+attention, described by TritonAttentionMetadata. The CPU path is untouched.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +25,9 @@ from engine_core.attention import AttentionMetadata, paged_attention
 from engine_core.model_config import ModelConfig, ModelLoadError
 from kernels import cpu_ops
 from kernels.linear import Linear
+
+if TYPE_CHECKING:
+    from engine_core.triton_attention import TritonAttentionMetadata
 
 
 @dataclass
@@ -96,6 +104,8 @@ class LlamaModel:
         else:
             raise ModelLoadError(f"{config.path}: weight lm_head.weight is missing")
         self.layers = [self._load_layer(i, take) for i in range(config.num_layers)]
+        # The backend follows the device: Triton kernels on CUDA, torch on the CPU.
+        self.use_triton = device.type == "cuda"
         # Fused elementwise kernels for half precision on the CPU. float32 keeps
         # the unfused torch ops: exactly what transformers computes.
         self.fused = (
@@ -145,10 +155,15 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | TritonAttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Hidden states after the final norm → [num_tokens, hidden]."""
+        if self.use_triton:
+            return self._forward_triton(
+                input_ids, positions, cast("TritonAttentionMetadata", meta), kv_caches
+            )
+        assert isinstance(meta, AttentionMetadata)
         cfg = self.config
         hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
@@ -174,6 +189,43 @@ class LlamaModel:
             mlp = layer.down_proj(self._silu_and_mul(layer.gate_up_proj(x)))
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
             x, residual = self._add_rms_norm(mlp, residual, next_norm)
+        return x
+
+    def _forward_triton(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: TritonAttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """forward() through the Triton kernels; the same math, fewer passes over memory."""
+        from engine_core.triton_attention import triton_paged_attention
+        from kernels.triton_ops.activation import silu_and_mul
+        from kernels.triton_ops.norm import fused_add_rms_norm, rms_norm
+        from kernels.triton_ops.rotary import rotary_embedding
+
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        residual = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden], fresh
+        x = rms_norm(residual, self.layers[0].input_layernorm, eps)
+        last = len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            qkv = layer.qkv_proj(x)  # [num_tokens, q + 2kv]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = self._rms_norm(q, layer.q_norm)
+                k = self._rms_norm(k, layer.k_norm)
+            # In place on the (strided) views of qkv; the kernels take the strides.
+            rotary_embedding(positions, q, k, self.rope_cos, self.rope_sin, is_neox=True)
+            attn = triton_paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            x = layer.o_proj(attn.flatten(1))
+            fused_add_rms_norm(x, residual, layer.post_attention_layernorm, eps)
+            x = layer.down_proj(silu_and_mul(layer.gate_up_proj(x)))
+            next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
+            fused_add_rms_norm(x, residual, next_norm, eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
