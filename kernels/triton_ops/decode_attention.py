@@ -3,9 +3,13 @@
 Each program takes one (sequence, KV head) pair and all the query heads that
 share that KV head (GQA/MQA), so every K/V page is read once per group. The
 group's heads are the rows of the score tile, padded to 16 because tl.dot
-needs it. Pages are walked with an online softmax (log2 domain).
+needs it, with an online softmax (log2 domain).
 
-Split-K: for long contexts the pages are cut into partitions of
+The context is walked in tiles of TILE tokens, each token's block looked
+up in the block table, so a tile may span several blocks and any block
+size works.
+
+Split-K: for long contexts the context is cut into partitions of
 `partition_size` tokens, each program (sequence, KV head, partition) writes
 its normalized partial output with its running max and sum, and a reduce
 kernel combines the partitions. The partition count depends only on the
@@ -57,8 +61,9 @@ def _decode_kernel(
     scale_log2,
     group,
     head_dim,
-    pages_per_part,
+    tiles_per_part,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -72,7 +77,7 @@ def _decode_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    s = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, TILE)
     row_ok = g < group
     d_ok = d < head_dim
     heads = kvh * group + g
@@ -82,18 +87,26 @@ def _decode_kernel(
         other=0.0,
     )
 
-    num_pages = tl.cdiv(seq_len, BLOCK_SIZE)
-    page_start = part * pages_per_part
-    page_end = tl.minimum(page_start + pages_per_part, num_pages)
+    num_tiles = tl.cdiv(seq_len, TILE)
+    tile_start = part * tiles_per_part
+    tile_end = tl.minimum(tile_start + tiles_per_part, num_tiles)
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for page in range(page_start, page_end):
-        block = tl.load(block_tables_ptr + b * stride_btb + page).to(tl.int64)
-        pos = page * BLOCK_SIZE + s
+    for tile in range(tile_start, tile_end):
+        # A tile of TILE tokens may span several cache blocks: look each token's up.
+        pos = tile * TILE + t
         valid = pos < seq_len
-        kv_off = block * stride_cb + s[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        block = tl.load(
+            block_tables_ptr + b * stride_btb + pos // BLOCK_SIZE, mask=valid, other=0
+        ).to(tl.int64)
+        kv_off = (
+            block[:, None] * stride_cb
+            + (pos % BLOCK_SIZE)[:, None] * stride_cs
+            + kvh * stride_ch
+            + d[None, :]
+        )
         kv_mask = valid[:, None] & d_ok[None, :]
         # Slots past seq_len may hold anything (even NaN): load them as zeros.
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -180,9 +193,14 @@ def paged_decode_attention(
     *,
     split: bool | None = None,
     partition_size: int = DEFAULT_PARTITION_SIZE,
+    tile_size: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launcher → [batch, heads, head_dim]. `split=None` picks split-K for wide tables."""
+    """Launcher → [batch, heads, head_dim]. `split=None` picks split-K for wide tables.
+
+    tile_size: tokens per inner step (a power of two >= 16, any block size);
+    64 on CUDA, 32 in the interpreter, so that tiles there span blocks of 16.
+    """
     name = "paged_decode_attention"
     if query.dim() != 3:
         raise ValueError(f"{name}: query must be [batch, heads, head_dim]")
@@ -196,8 +214,6 @@ def paged_decode_attention(
         raise ValueError(f"{name}: query head_dim {head_dim} != cache head_dim {cache_dim}")
     if heads % kv_heads != 0:
         raise ValueError(f"{name}: {heads} query heads not a multiple of {kv_heads} kv heads")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"{name}: block_size must be a power of two >= 16, got {block_size}")
     check_index(name, "block_tables", block_tables, 2)
     check_index(name, "seq_lens", seq_lens, 1)
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
@@ -208,8 +224,11 @@ def paged_decode_attention(
     check_device(name, query, k_cache, v_cache, block_tables, seq_lens)
     check_last_dim_contiguous(name, "query", query)
     check_last_dim_contiguous(name, "k_cache", k_cache)
-    if partition_size % block_size:
-        raise ValueError(f"{name}: partition_size must be a multiple of block_size")
+    tile = tile_size or (64 if query.device.type == "cuda" else 32)
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"{name}: tile_size must be a power of two >= 16, got {tile}")
+    if partition_size % tile:
+        raise ValueError(f"{name}: partition_size must be a multiple of tile_size {tile}")
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.dtype != dtype or out.stride(-1) != 1:
@@ -222,9 +241,11 @@ def paged_decode_attention(
     if split is None:
         split = parts > 1
     parts = max(parts, 1) if split else 1
-    pages_per_part = partition_size // block_size if split else max(block_tables.shape[1], 1)
+    max_tokens = block_tables.shape[1] * block_size
+    tiles_per_part = partition_size // tile if split else max(-(-max_tokens // tile), 1)
     common = dict(
         BLOCK_SIZE=block_size,
+        TILE=tile,
         BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=max(16, next_pow2(head_dim)),
         DOT_PREC=dot_precision(dtype),
@@ -238,7 +259,7 @@ def paged_decode_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0,
-            scale_log2, group, head_dim, pages_per_part,
+            scale_log2, group, head_dim, tiles_per_part,
             SPLIT=False, **common,
         )  # fmt: skip
         return out
@@ -252,7 +273,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), m.stride(0), m.stride(1),
-        scale_log2, group, head_dim, pages_per_part,
+        scale_log2, group, head_dim, tiles_per_part,
         SPLIT=True, **common,
     )  # fmt: skip
     _reduce_kernel[(batch, heads)](

@@ -6,9 +6,11 @@ q_len positions of its seq_len tokens, so a chunk or a prefix-cache hit
 starts mid-sequence and attends to everything cached before it; its own new
 keys must already be in the cache (reshape_and_cache first). Causal.
 
-A program covers one (sequence, query tile, KV head). The tile's rows are
-(token, head-in-group) pairs, BLOCK_M of them, so every K/V page is read
-once for the whole GQA group; BLOCK_M // group tokens per tile.
+A program covers one (sequence, query tile, KV head). The query tile's rows
+are (token, head-in-group) pairs, BLOCK_M of them, so every K/V tile is read
+once for the whole GQA group; BLOCK_M // group tokens per query tile. Keys
+are walked in tiles of TILE tokens, each token's block looked up in the
+block table, so a tile may span blocks and any block size works.
 """
 
 from __future__ import annotations
@@ -53,22 +55,23 @@ def _prefill_kernel(
     head_dim,
     tokens_per_tile,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    tile = tl.program_id(1)
+    q_tile = tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int32)
     q_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int32) - q_start
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    first = tile * tokens_per_tile
+    first = q_tile * tokens_per_tile
     if first < q_len:
         m = tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
-        s = tl.arange(0, BLOCK_SIZE)
+        t = tl.arange(0, TILE)
         q_idx = first + m // group
         row_ok = (m < tokens_per_tile * group) & (q_idx < q_len)
         d_ok = d < head_dim
@@ -85,16 +88,24 @@ def _prefill_kernel(
         )
         # Keys up to the tile's last query position.
         last_pos = seq_len - q_len + tl.minimum(first + tokens_per_tile, q_len) - 1
-        num_pages = tl.cdiv(last_pos + 1, BLOCK_SIZE)
+        num_tiles = tl.cdiv(last_pos + 1, TILE)
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for page in range(0, num_pages):
-            block = tl.load(block_tables_ptr + seq * stride_btb + page).to(tl.int64)
-            k_pos = page * BLOCK_SIZE + s
+        for kv_tile in range(0, num_tiles):
+            # Each key's block looked up in the table: a tile may span blocks.
+            k_pos = kv_tile * TILE + t
             k_ok = k_pos <= last_pos
-            kv_off = block * stride_cb + s[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+            block = tl.load(
+                block_tables_ptr + seq * stride_btb + k_pos // BLOCK_SIZE, mask=k_ok, other=0
+            ).to(tl.int64)
+            kv_off = (
+                block[:, None] * stride_cb
+                + (k_pos % BLOCK_SIZE)[:, None] * stride_cs
+                + kvh * stride_ch
+                + d[None, :]
+            )
             kv_mask = k_ok[:, None] & d_ok[None, :]
             # Slots past the sequence may hold anything (even NaN): load zeros.
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -125,9 +136,15 @@ def paged_prefill_attention(
     scale: float,
     *,
     block_m: int | None = None,
+    tile_size: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launcher → [num_tokens, heads, head_dim] (rows outside every sequence are untouched)."""
+    """Launcher → [num_tokens, heads, head_dim] (rows outside every sequence are untouched).
+
+    block_m: query rows ((token, head) pairs) per program, 64 on CUDA, 16 in the
+    interpreter; tile_size: keys per inner step (power of two >= 16, any block
+    size), 64 on CUDA, 32 in the interpreter.
+    """
     name = "paged_prefill_attention"
     if query.dim() != 3:
         raise ValueError(f"{name}: query must be [num_tokens, heads, head_dim]")
@@ -141,8 +158,6 @@ def paged_prefill_attention(
         raise ValueError(f"{name}: query head_dim {head_dim} != cache head_dim {cache_dim}")
     if heads % kv_heads != 0:
         raise ValueError(f"{name}: {heads} query heads not a multiple of {kv_heads} kv heads")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"{name}: block_size must be a power of two >= 16, got {block_size}")
     check_index(name, "block_tables", block_tables, 2)
     check_index(name, "cu_seqlens_q", cu_seqlens_q, 1)
     check_index(name, "seq_lens", seq_lens, 1)
@@ -164,6 +179,9 @@ def paged_prefill_attention(
     if num_seqs == 0 or max_query_len <= 0:
         return out
 
+    tile = tile_size or (64 if query.device.type == "cuda" else 32)
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"{name}: tile_size must be a power of two >= 16, got {tile}")
     group = heads // kv_heads
     if block_m is None:
         block_m = 64 if query.device.type == "cuda" else 16
@@ -178,6 +196,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         float(scale) * LOG2E, group, head_dim, tokens_per_tile,
         BLOCK_SIZE=block_size,
+        TILE=tile,
         BLOCK_M=block_m,
         BLOCK_D=max(16, next_pow2(head_dim)),
         DOT_PREC=dot_precision(dtype),

@@ -38,10 +38,11 @@ DECODE_CASES = grid(
         (BF16, 128, 32, 3, 2, True),
         (F32, 128, 16, 4, 1, True),
         (BF16, 64, 16, 8, 1, False),
+        (F32, 64, 8, 3, 2, True),  # blocks smaller than a tile
     ],
     [F32, BF16],
     [64, 128],
-    [16, 32],
+    [8, 16, 32],
     [1, 3, 4, 8],
     [1, 2],
     [False, True],
@@ -60,8 +61,9 @@ def test_paged_decode_attention(
     seq_lens = torch.tensor(lens, device=DEVICE)
     scale = head_dim**-0.5
     out = poisoned(query.shape, dtype)
-    # Small partitions in the interpreter so that split-K spans several of them.
-    partition = 512 if FULL else 2 * block_size
+    # Small partitions in the interpreter so that split-K spans several of them
+    # (a multiple of the interpreter's 32-token tile).
+    partition = 512 if FULL else max(2 * block_size, 32)
     paged_decode_attention(
         query, k_cache, v_cache, tables, seq_lens, scale,
         split=split, partition_size=partition, out=out,
@@ -91,10 +93,11 @@ PREFILL_CASES = grid(
         (BF16, 128, 32, 3, 1),
         (F32, 128, 16, 4, 2),
         (BF16, 64, 16, 8, 1),
+        (BF16, 64, 8, 4, 2),  # blocks smaller than a tile
     ],
     [F32, BF16],
     [64, 128],
-    [16, 32],
+    [8, 16, 32],
     [1, 3, 4, 8],
     [1, 2],
 )
@@ -218,6 +221,7 @@ def test_attention_launchers_reject_bad_input() -> None:
         paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1, partition_size=20)
     with pytest.raises(ValueError, match="sequences"):
         paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0]), seq_lens, 1, 0.1)
-    with pytest.raises(ValueError, match="block_size"):
-        bad = torch.zeros(4, 8, 2, 64)
-        paged_prefill_attention(q, bad, bad, tables, torch.tensor([0, 1]), seq_lens, 1, 0.1)
+    with pytest.raises(ValueError, match="tile_size"):
+        paged_prefill_attention(
+            q, k_cache, v_cache, tables, torch.tensor([0, 1]), seq_lens, 1, 0.1, tile_size=24
+        )
