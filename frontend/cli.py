@@ -50,6 +50,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',
     )
     g.add_argument(
+        "--metrics-require-auth",
+        action="store_true",
+        help="GET /metrics needs the --api-key too (open by default)",
+    )
+    g.add_argument(
         "--tool-server",
         action="append",
         default=[],
@@ -120,6 +125,8 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--tool-call-parser", ns.tool_call_parser]
     for spec in ns.tool_server:
         argv += ["--tool-server", spec]
+    if ns.metrics_require_auth:
+        argv.append("--metrics-require-auth")
     if ns.enable_admin_api:
         argv.append("--enable-admin-api")
     if ns.admin_api_key:
@@ -175,6 +182,7 @@ async def serve(ns: argparse.Namespace) -> int:
         allowed_headers=tuple(ns.allowed_headers),
         max_request_body_bytes=ns.max_request_body_bytes,
         tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+        metrics_require_auth=ns.metrics_require_auth,
         enable_admin_api=ns.enable_admin_api,
         admin_api_key=ns.admin_api_key,
         max_inflight_requests=ns.max_inflight_requests,

@@ -94,6 +94,8 @@ class FrontendConfig:
     admin_api_key: str | None = None
     # Generation requests in flight in this API server beyond which new ones get 503.
     max_inflight_requests: int | None = None
+    # /metrics is open (scrapers rarely carry keys) unless this is set.
+    metrics_require_auth: bool = False
 
 
 def build_app(
@@ -121,6 +123,7 @@ def build_app(
             400, f"The model `{served[0]}` does not support the {task!r} task; it supports {tasks}"
         )
 
+    open_paths = _OPEN_PATHS - ({"/metrics"} if config.metrics_require_auth else set())
     if config.api_keys or config.admin_api_key:
         keys = [k.encode() for k in config.api_keys]
         admin_key = config.admin_api_key.encode() if config.admin_api_key else None
@@ -130,7 +133,7 @@ def build_app(
             request: Request, call_next: Callable[[Request], Awaitable[Response]]
         ) -> Response:
             path = request.url.path
-            if request.method == "OPTIONS" or path in _OPEN_PATHS:
+            if request.method == "OPTIONS" or path in open_paths:
                 return await call_next(request)
             header = request.headers.get("authorization", "")
             token = (

@@ -26,6 +26,10 @@ _TYPES = {
 }
 
 
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 class APIError(Exception):
     """An error to return to the client in the API's own shape."""
 
@@ -38,11 +42,14 @@ class APIError(Exception):
         err_type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # A message may quote the request (a model name, a field): lone surrogates
+        # in it could not be encoded as UTF-8 in the response.
+        message = _printable(message)
         super().__init__(message)
         self.headers = headers
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else _printable(param)
         self.code = code
         self.err_type = err_type or _TYPES.get(status, "invalid_request_error")
 

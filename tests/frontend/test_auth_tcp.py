@@ -31,7 +31,9 @@ def test_tcp_engine_with_api_key_and_health_turning_503() -> None:
     address = f"tcp://127.0.0.1:{engine_port}"
     http_port = free_port()
     engine = procs.start(engine_argv(address, *ENGINE_FLAGS), "engine-tcp")
-    procs.start(api_argv(address, http_port, "--api-key", "sesame"), "api-tcp")
+    procs.start(
+        api_argv(address, http_port, "--api-key", "sesame", "--metrics-require-auth"), "api-tcp"
+    )
     base = f"http://127.0.0.1:{http_port}"
     try:
         wait_healthy(base, procs)
@@ -39,6 +41,10 @@ def test_tcp_engine_with_api_key_and_health_turning_503() -> None:
         r = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(base + "/metrics").status_code == 401
+        keyed = httpx.get(base + "/metrics", headers={"Authorization": "Bearer sesame"})
+        assert keyed.status_code == 200 and "vllm:" in keyed.text
+        assert httpx.get(base + "/version").status_code == 200
         bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
