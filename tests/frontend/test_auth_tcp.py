@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -45,6 +46,16 @@ def test_tcp_engine_with_api_key_and_health_turning_503() -> None:
         keyed = httpx.get(base + "/metrics", headers={"Authorization": "Bearer sesame"})
         assert keyed.status_code == 200 and "vllm:" in keyed.text
         assert httpx.get(base + "/version").status_code == 200
+        # Anthropic's client sends the key as x-api-key; a wrong one is 401 in its shape.
+        msg = anthropic.Anthropic(base_url=base, api_key="sesame", max_retries=0).messages.create(
+            model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert msg.usage.output_tokens == 2
+        with pytest.raises(anthropic.AuthenticationError) as denied:
+            anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+                model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert denied.value.body["type"] == "error"  # type: ignore[index]
         bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
