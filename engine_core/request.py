@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from protocol.messages import Logprobs
+from protocol.messages import Logprobs, RequestTimings
 from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
@@ -49,6 +49,8 @@ class Request:
         self.arrival_time = arrival_time
         # When this engine queued it (its own clock): --max-queue-wait counts from here.
         self.queued_at = time.monotonic()
+        self.scheduled_at: float | None = None  # first scheduled (engine clock)
+        self.first_token_at: float | None = None
         self.priority = priority
         self.lora_name = lora_name
         # A pooling request is computed whole in one step and then finishes.
@@ -71,6 +73,13 @@ class Request:
         """Schedulable: no grammar, or one that compiled (the engine reaps failures)."""
         g = self.grammar
         return g is None or (g.done() and g.exception() is None)
+
+    def timings(self) -> RequestTimings:
+        """Queue, prefill and decode time, for a request that just finished."""
+        done = time.monotonic()
+        scheduled = self.scheduled_at if self.scheduled_at is not None else done
+        first = self.first_token_at if self.first_token_at is not None else done
+        return RequestTimings(scheduled - self.queued_at, first - scheduled, done - first)
 
     @property
     def is_pooling(self) -> bool:

@@ -15,6 +15,7 @@ requests of that step, and finishes in that step's update with its vector.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -134,6 +135,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
+            if request.scheduled_at is None:
+                request.scheduled_at = time.monotonic()
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -181,7 +184,10 @@ class Scheduler:
             pooled = result.pooled.get(request_id)
             if pooled is not None:
                 request.finish_reason = "stop"
-                delta = RequestDelta(request_id, [], finish_reason="stop", pooled=pooled)
+                request.first_token_at = time.monotonic()
+                delta = RequestDelta(
+                    request_id, [], finish_reason="stop", pooled=pooled, timings=request.timings()
+                )
                 self.running.remove(request)
                 self._free(request)
                 deltas.append((request, delta))
@@ -190,6 +196,8 @@ class Scheduler:
             if token_id is None:
                 continue  # a prompt chunk that does not reach the end yet
             is_first = request.num_output_tokens == 0
+            if request.first_token_at is None:
+                request.first_token_at = time.monotonic()
             request.append_output_token(token_id)
             done = request.check_stop(self.max_model_len)
             if not done and request_id in result.grammar_terminated:
@@ -207,6 +215,7 @@ class Scheduler:
             if done:
                 delta.finish_reason = request.finish_reason
                 delta.stop_reason = request.stop_reason
+                delta.timings = request.timings()
                 self.running.remove(request)
                 self._free(request)
             deltas.append((request, delta))

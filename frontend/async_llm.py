@@ -204,6 +204,8 @@ class AsyncLLM:
                         if delta.error_kind is not None:
                             raise EngineUnavailableError(delta.error, delta.error_kind)
                         raise EngineRequestError(delta.error)
+                    if self.metrics is not None and delta.timings is not None:
+                        self.metrics.observe_engine_timings(delta.timings)
                     if self.metrics is not None and delta.new_token_ids:
                         last = last_token_at[index]
                         if last is None:

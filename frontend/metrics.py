@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from protocol.messages import RequestTimings
+
 if TYPE_CHECKING:
     from frontend.engine_client import AsyncMPClient
 
@@ -155,6 +157,17 @@ class FrontendMetrics:
             [*labels, "finished_reason"],
             registry=register,
         )
+        # Per-request engine phases, from the timings on each finished request.
+        self.phases = {
+            phase: Histogram(
+                f"vllm:request_{phase}_time_seconds",
+                f"Time in the {phase} phase.",
+                labels,
+                buckets=_LATENCY_BUCKETS,
+                registry=register,
+            )
+            for phase in ("queue", "prefill", "decode", "inference")
+        }
         if self.multiprocess_dir:
             from prometheus_client import multiprocess
 
@@ -162,6 +175,13 @@ class FrontendMetrics:
 
     def add_engine_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
+
+    def observe_engine_timings(self, timings: RequestTimings) -> None:
+        m = self.model_name
+        self.phases["queue"].labels(m).observe(timings.queue_s)
+        self.phases["prefill"].labels(m).observe(timings.prefill_s)
+        self.phases["decode"].labels(m).observe(timings.decode_s)
+        self.phases["inference"].labels(m).observe(timings.prefill_s + timings.decode_s)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)

@@ -104,6 +104,14 @@ class Logprobs(msgspec.Struct, array_like=True):
     rank: int
 
 
+class RequestTimings(msgspec.Struct, array_like=True):
+    """Where a finished request spent its time in the engine (seconds)."""
+
+    queue_s: float  # queued until first scheduled
+    prefill_s: float  # first scheduled until its first token
+    decode_s: float  # first token until finished
+
+
 class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
     """What one request produced in one step."""
 
@@ -120,6 +128,7 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
     error_kind: str | None = None
     # A pooling request's result: little-endian float32 values.
     pooled: bytes | None = None
+    timings: RequestTimings | None = None  # on the last delta of a finished request
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

@@ -48,6 +48,10 @@ def test_metrics_exact_after_known_workload(tmp_path: object) -> None:
         assert metric(text, "vllm:generation_tokens_total") == 100
         assert metric(text, "vllm:request_success_total", finished_reason="length") == 10
         assert metric(text, "vllm:e2e_request_latency_seconds_count") == 10
+        for phase in ("queue", "prefill", "decode", "inference"):
+            assert metric(text, f"vllm:request_{phase}_time_seconds_count") == 10
+        e2e = metric(text, "vllm:e2e_request_latency_seconds_sum")
+        assert 0 < metric(text, "vllm:request_inference_time_seconds_sum") <= e2e
         # Long requests cancelled by the client: running, waiting and KV usage go back to 0.
         for i in range(4):
             try:
