@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -9,8 +10,9 @@ import httpx
 import openai
 import pytest
 
-from tests.frontend.conftest import MODEL_NAME
+from tests.frontend.conftest import MODEL_NAME, Server
 from tests.frontend.servers import (
+    REPO,
     private_server,
 )
 
@@ -76,3 +78,19 @@ def test_metrics_exact_after_known_workload(tmp_path: object) -> None:
             time.sleep(0.3)
         assert re.search(r"^vllm:prefix_cache_queries_total", text, re.M)
         assert "vllm:cache_config_info" in text
+
+
+def test_grafana_dashboard_uses_exported_metrics(server: Server) -> None:
+    """Every metric the dashboard in docs/grafana queries is served by /metrics."""
+    dashboard = json.loads((REPO / "docs" / "grafana" / "pagoda-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {m for e in exprs for m in re.findall(r"vllm:[a-z_]+", e)}
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    served = set(re.findall(r"^# TYPE (vllm:[a-z_]+)", text, re.M))
+    suffixes = ("_bucket", "_total", "_count", "_sum")
+    missing = {
+        m
+        for m in used
+        if m not in served and not any(m.endswith(s) and m[: -len(s)] in served for s in suffixes)
+    }
+    assert len(used) >= 12 and not missing, missing
