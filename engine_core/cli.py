@@ -19,6 +19,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="ipc:///path or tcp://host:port (default: ipc in a private runtime dir)",
     )
+    parser.add_argument(
+        "--curve-keys",
+        default=None,
+        metavar="DIR",
+        help="encrypt a tcp address with CURVE and admit only API servers whose key is in "
+        "DIR/clients (make DIR with: pagoda curve-keys DIR); without it tcp binds to loopback",
+    )
     parser.add_argument("--log-level", default="info")
     ns = parser.parse_args(argv)
     logging.basicConfig(
@@ -42,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", e)
         return 2
     try:
-        server = EngineCoreServer(engine, address)
+        server = EngineCoreServer(engine, address, ns.curve_keys)
     except Exception as e:  # noqa: BLE001 - zmq bind errors
         log.error("cannot bind %s: %s", address, e)
         return 2
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"engine-core listening on {address}", flush=True)
+    print(f"engine-core listening on {server.address}", flush=True)
     server.run()
     return 0
 

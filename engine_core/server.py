@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from engine_core.addresses import split_address
+from engine_core.curve import bind_address, secure_server
 from engine_core.engine import EngineBusyError, EngineCore
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -55,8 +56,10 @@ CLIENT_SILENCE_LIMIT_S = 5.0
 class EngineCoreServer:
     """Runs an EngineCore behind ZeroMQ sockets until stopped."""
 
-    def __init__(self, engine: EngineCore, address: str) -> None:
+    def __init__(self, engine: EngineCore, address: str, curve_dir: str | None = None) -> None:
         self.engine = engine
+        # tcp without CURVE keys binds to loopback only (curve.bind_address).
+        address = bind_address(address, curve_dir)
         self.address = address
         self.input_queue: queue.Queue[tuple[bytes, object]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[bytes, EngineMessage] | None] = queue.Queue()
@@ -68,9 +71,12 @@ class EngineCoreServer:
         self._ctx = zmq.Context()
         in_addr, out_addr = split_address(address)
         self._in_sock = self._ctx.socket(zmq.ROUTER)
-        self._in_sock.bind(in_addr)
         self._out_sock = self._ctx.socket(zmq.ROUTER)
         self._out_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._auth = None
+        if curve_dir is not None:
+            self._auth = secure_server(self._ctx, [self._in_sock, self._out_sock], curve_dir)
+        self._in_sock.bind(in_addr)
         self._out_sock.bind(out_addr)
         self._threads = [
             threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
@@ -253,6 +259,8 @@ class EngineCoreServer:
         self._threads[0].join(timeout=2.0)
         self._in_sock.close(linger=0)
         self._out_sock.close(linger=500)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         for addr in split_address(self.address):
             if addr.startswith("ipc://"):

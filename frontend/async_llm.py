@@ -84,10 +84,14 @@ class AsyncLLM:
 
     @classmethod
     async def connect(
-        cls, address: str, chat_template: str | None = None, timeout: float = 120.0
+        cls,
+        address: str,
+        chat_template: str | None = None,
+        timeout: float = 120.0,
+        curve_dir: str | None = None,
     ) -> AsyncLLM:
-        """Attach to a running engine core."""
-        client = AsyncMPClient(address)
+        """Attach to a running engine core (`curve_dir`: its CURVE keys, for tcp)."""
+        client = AsyncMPClient(address, curve_dir=curve_dir)
         ready = await client.start(timeout=timeout)
         tokenizer = await asyncio.to_thread(Tokenizer, ready.tokenizer_path, chat_template)
         return cls(client, tokenizer)

@@ -192,7 +192,10 @@ async def serve(ns: argparse.Namespace) -> int:
     sock = bind_socket(ns.host, ns.port)
     try:
         engine = await AsyncLLM.connect(
-            ns.engine, chat_template=ns.chat_template, timeout=ns.engine_timeout
+            ns.engine,
+            chat_template=ns.chat_template,
+            timeout=ns.engine_timeout,
+            curve_dir=ns.curve_keys,
         )
     except EngineDeadError as e:
         log.error("%s", e)
@@ -260,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=300.0,
         help="seconds to wait for the engine core to answer",
+    )
+    parser.add_argument(
+        "--curve-keys",
+        default=None,
+        metavar="DIR",
+        help="the CURVE keys of a tcp engine core started with --curve-keys",
     )
     add_frontend_args(parser)
     ns = parser.parse_args(argv)

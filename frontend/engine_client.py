@@ -21,6 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from engine_core.addresses import split_address
+from engine_core.curve import secure_client
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -110,8 +111,11 @@ class AsyncMPClient:
     everything runs on the event loop thread.
     """
 
-    def __init__(self, address: str, client_id: str | None = None) -> None:
+    def __init__(
+        self, address: str, client_id: str | None = None, curve_dir: str | None = None
+    ) -> None:
         self.address = address
+        self.curve_dir = curve_dir  # CURVE keys for a tcp engine (engine_core/curve.py)
         self.client_id = client_id or f"fe-{uuid.uuid4().hex[:12]}"
         self.ready: Ready | None = None
         self.stats = SchedulerStats()
@@ -133,6 +137,8 @@ class AsyncMPClient:
         self._out_sock = self._ctx.socket(zmq.DEALER)
         self._out_sock.setsockopt(zmq.IDENTITY, identity)
         self._out_sock.setsockopt(zmq.LINGER, 0)
+        if self.curve_dir is not None:
+            secure_client([self._out_sock], self.curve_dir)
         self._out_sock.connect(out_addr)
         self._in_sock = self._ctx.socket(zmq.DEALER)
         self._in_sock.setsockopt(zmq.IDENTITY, identity)
@@ -140,6 +146,8 @@ class AsyncMPClient:
         # Queue only to a live connection, so that a send to a dead engine
         # fails at once instead of waiting forever.
         self._in_sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self.curve_dir is not None:
+            secure_client([self._in_sock], self.curve_dir)
         self._in_sock.connect(in_addr)
         ready_future: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
         self._tasks.append(asyncio.create_task(self._output_loop(ready_future)))

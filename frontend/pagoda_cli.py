@@ -28,10 +28,14 @@ def _serve(ns: argparse.Namespace) -> int:
     python = sys.executable
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     engine_argv = [python, "-m", "engine_core.cli", "--address", address, *engine_args_to_argv(ns)]
+    if ns.curve_keys:
+        engine_argv += ["--curve-keys", ns.curve_keys]
     children.append(("engine-core", subprocess.Popen(engine_argv)))
     api_argv = [python, "-m", "frontend.cli", "--engine", address, *frontend_args_to_argv(ns)]
     if ns.served_model_name:
         api_argv += ["--served-model-name", ns.served_model_name]
+    if ns.curve_keys:
+        api_argv += ["--curve-keys", ns.curve_keys]
     api_env = dict(os.environ)
     metrics_dir = None
     if ns.api_server_count > 1:
@@ -98,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     add_frontend_args(serve)
     serve.add_argument("--api-server-count", type=int, default=1)
     serve.add_argument("--address", default=None, help="the engine core's address")
+    serve.add_argument(
+        "--curve-keys", default=None, metavar="DIR", help="CURVE keys for a tcp --address"
+    )
     serve.add_argument("model_tag", nargs="?", default=None, help="same as --model")
     batch = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI batch requests")
     add_engine_args(batch)
@@ -105,7 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     batch.add_argument("--chat-template", default=None, help="a jinja template file or string")
     batch.add_argument("--enable-auto-tool-choice", action="store_true")
     batch.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None)
+    keys = sub.add_parser("curve-keys", help="make CURVE keys for a tcp engine core")
+    keys.add_argument("directory")
     ns = parser.parse_args(argv)
+    if ns.command == "curve-keys":
+        from engine_core.curve import generate_keys
+
+        try:
+            root = generate_keys(ns.directory)
+        except FileExistsError as e:
+            parser.error(str(e))
+        print(
+            f"CURVE keys in {root}: engine-core --curve-keys {root}; api-server --curve-keys {root}"
+        )
+        return 0
     if ns.command == "run-batch":
         if ns.enable_auto_tool_choice and not ns.tool_call_parser:
             parser.error("--enable-auto-tool-choice needs --tool-call-parser")
