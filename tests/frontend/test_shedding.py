@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow
 
 @dataclass
 class Shedding:
-    bounded: str  # an API server with --max-inflight-requests 3
+    # An API server with --max-inflight-requests 3: the engine's queue bound (3)
+    # never refuses what it lets through.
+    bounded: str
     unbounded: str  # an API server without a bound of its own
 
 
@@ -34,7 +36,7 @@ def shedding(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shedding]:
     directory: Path = tmp_path_factory.mktemp("shed")
     address = f"ipc://{directory}/engine"
     procs = Processes()
-    flags = (*ENGINE_FLAGS, "--max-num-seqs", "2", "--max-waiting-requests", "2")
+    flags = (*ENGINE_FLAGS, "--max-num-seqs", "2", "--max-waiting-requests", "3")
     procs.start(engine_argv(address, *flags), "engine-shed")
     bounded, unbounded = free_port(), free_port()
     procs.start(api_argv(address, bounded, "--max-inflight-requests", "3"), "api-bounded")
@@ -72,8 +74,8 @@ def check_split(responses: list[httpx.Response], max_tokens: int, needle: str) -
 def test_engine_queue_bound_refuses_the_excess(shedding: Shedding) -> None:
     responses = asyncio.run(flood(shedding.unbounded, 12, 6))
     admitted = check_split(responses, 6, "waiting")
-    # At least the 2 the queue holds (more if some were scheduled meanwhile); not all 12.
-    assert 2 <= admitted < 12, [r.status_code for r in responses]
+    # At least the 3 the queue holds (more if some were scheduled meanwhile); not all 12.
+    assert 3 <= admitted < 12, [r.status_code for r in responses]
 
 
 def test_inflight_bound_refuses_the_excess_at_once(shedding: Shedding) -> None:
@@ -86,17 +88,18 @@ def test_inflight_bound_refuses_the_excess_at_once(shedding: Shedding) -> None:
 
 def test_openai_client_retries_recover(shedding: Shedding) -> None:
     async def run() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=shedding.bounded + "/v1", api_key="x", max_retries=20)
+        # Retry-After is 1 s: enough retries to outlast a slow, shared CPU.
+        client = openai.AsyncOpenAI(base_url=shedding.bounded + "/v1", api_key="x", max_retries=120)
         outs = await asyncio.gather(
             *(
-                client.completions.create(model=MODEL_NAME, prompt=f"{i} +", max_tokens=4)
-                for i in range(8)
+                client.completions.create(model=MODEL_NAME, prompt=f"{i} +", max_tokens=2)
+                for i in range(6)
             )
         )
         return [o.choices[0].finish_reason for o in outs]
 
     reasons = asyncio.run(run())
-    assert len(reasons) == 8 and all(r in ("length", "stop") for r in reasons)
+    assert len(reasons) == 6 and all(r in ("length", "stop") for r in reasons)
 
 
 def test_max_queue_wait_fails_requests_that_wait_too_long(tmp_path: Path) -> None:
