@@ -45,8 +45,11 @@ logger = logging.getLogger(__name__)
 
 
 HEARTBEAT_INTERVAL_S = 0.5
-# The engine's output thread speaks at least every 0.5 s, even mid-step.
-ENGINE_SILENCE_LIMIT_S = 2.0
+# The engine's output thread speaks at least every 0.5 s, even mid-step. A
+# dead engine process is noticed at once (the socket monitor sees the
+# connection drop); this silence limit only catches a hung or unreachable
+# one, and is generous so that a starved but live engine is not declared dead.
+ENGINE_SILENCE_LIMIT_S = 5.0
 
 
 class EngineDeadError(RuntimeError):

@@ -442,9 +442,7 @@ def build_app(
             )
             if method in ("sleep", "wake_up", "is_sleeping"):
                 # Keep this server's view of the engine in step without waiting for stats.
-                engine.client.stats.is_sleeping = bool(
-                    await engine.client.call_utility("is_sleeping")
-                )
+                await utility(engine.is_sleeping)  # also records the answer
             return {"results": [result]}
 
     @app.get("/is_sleeping")

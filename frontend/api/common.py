@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -20,6 +21,7 @@ from frontend.outputs import CompletionOutput
 from protocol.sampling_params import SamplingParams, SamplingParamsError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # What a 503 tells clients to wait before retrying (the openai clients honour it).
 RETRY_AFTER_S = 1
@@ -98,6 +100,7 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc)[:500])
     if isinstance(exc, EngineDeadError):
         return unavailable(f"the engine core is not available: {exc}")
+    logger.error("internal error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
 
 

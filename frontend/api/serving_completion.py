@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -26,6 +26,8 @@ from frontend.async_llm import AsyncLLM
 from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from frontend.processor import ProcessedPrompt
 from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+
+T = TypeVar("T")
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -110,7 +112,13 @@ class CompletionServer:
             for i, p in enumerate(prompts)
         ]
         if req.stream:
-            events = self._stream(req, params, prompts, streams, request_id, created, model)
+            # Refusals (503: asleep, overloaded) and engine errors must be a status,
+            # not an in-stream error: wait for the first output before answering.
+            merged = merge_streams(streams)
+            first = await anext(merged)
+            events = self._stream(
+                req, params, prompts, _prepend(first, merged), request_id, created, model
+            )
             return StreamingResponse(sse_with_errors(events), media_type="text/event-stream")
         finals, prompt_lps = await unless_disconnected(
             raw, self._collect(streams, len(prompts), params.n)
@@ -190,7 +198,7 @@ class CompletionServer:
         req: CompletionRequest,
         params: SamplingParams,
         prompts: list[ProcessedPrompt],
-        streams: list[AsyncIterator[RequestOutput]],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
         request_id: str,
         created: int,
         model: str,
@@ -199,7 +207,7 @@ class CompletionServer:
         num_completion = 0
         echoed: set[int] = set()
         offsets: dict[tuple[int, int], int] = {}
-        async for prompt_idx, out in merge_streams(streams):
+        async for prompt_idx, out in outputs:
             for o in out.outputs:
                 index = prompt_idx * params.n + o.index
                 text = o.text
@@ -251,3 +259,9 @@ class CompletionServer:
                     "usage": usage(num_prompt, num_completion),
                 }
             )
+
+
+async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for item in rest:
+        yield item

@@ -76,6 +76,8 @@ def test_sleep_frees_memory_and_wakes_identical(tmp_path: Path) -> None:
         r = httpx.post(base + "/v1/completions", json=body)
         assert r.status_code == 503 and r.headers["retry-after"]
         assert "sleeping" in r.json()["error"]["message"]
+        r = httpx.post(base + "/v1/completions", json={**body, "stream": True})
+        assert r.status_code == 503 and "sleeping" in r.json()["error"]["message"]
         chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}]}
         r = httpx.post(base + "/v1/chat/completions", json={**chat, "stream": True})
         assert r.status_code == 503 and "sleeping" in r.json()["error"]["message"]
