@@ -194,3 +194,40 @@ def build_tiny_bert(directory: Path, pooling: str, normalize: bool, seed: int = 
         )
     )
     return directory
+
+
+def build_lora_adapter(
+    base_dir: Path,
+    directory: Path,
+    rank: int,
+    alpha: float,
+    target_modules: list[str],
+    use_rslora: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Save a random PEFT LoRA adapter for the model in `base_dir` into `directory`.
+
+    PEFT initialises B to zeros (a no-op adapter); every LoRA weight is redrawn
+    here so the adapter changes the outputs.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        use_rslora=use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
+    peft_model.save_pretrained(directory, safe_serialization=True)
+    return directory
