@@ -231,3 +231,43 @@ def build_lora_adapter(
                 param.copy_(0.15 * torch.randn(param.shape, generator=generator))
     peft_model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def write_random_lora(
+    directory: Path,
+    num_layers: int,
+    shapes: dict[str, tuple[int, int]],
+    rank: int,
+    alpha: float,
+    seed: int = 0,
+) -> Path:
+    """A PEFT-format adapter written without peft, for models peft cannot load (GGUF).
+
+    `shapes` maps module names (q_proj, ...) to (in_features, out_features).
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(num_layers):
+        for module, (d_in, d_out) in shapes.items():
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = 0.1 * torch.randn(rank, d_in, generator=generator)
+            tensors[f"{key}.lora_B.weight"] = 0.1 * torch.randn(d_out, rank, generator=generator)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted(shapes),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory

@@ -17,6 +17,7 @@ from frontend.api.structured_outputs import constraint_from
 from frontend.async_llm import AsyncLLM, EngineRequestError, EngineUnavailableError
 from frontend.engine_client import EngineDeadError
 from frontend.outputs import CompletionOutput
+from protocol.messages import LoRARequest
 from protocol.sampling_params import SamplingParams, SamplingParamsError
 
 T = TypeVar("T")
@@ -39,10 +40,17 @@ def now() -> int:
 
 
 def check_model(engine: AsyncLLM, served_names: list[str], model: str | None) -> str:
-    """The served name a request asks for; 404 for any other."""
+    """The served name (or LoRA adapter name) a request asks for; 404 for any other."""
     if model is None or model in served_names:
         return model or served_names[0]
+    if model in engine.loras:
+        return model
     raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+def lora_for(engine: AsyncLLM, model: str) -> LoRARequest | None:
+    """The adapter a checked model name picks (None: the base model)."""
+    return engine.loras.get(model)
 
 
 def sampling_params_from(

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from frontend.api.common import (
     accumulate,
     check_model,
+    lora_for,
     new_id,
     now,
     sampling_params_from,
@@ -119,7 +120,12 @@ class ChatServer:
         request_id = new_id("chatcmpl")
         created = now()
         stream = self.engine.generate_tokens(
-            prompt, prompt_ids, params, request_id, priority=req.priority
+            prompt,
+            prompt_ids,
+            params,
+            request_id,
+            priority=req.priority,
+            lora_request=lora_for(self.engine, model),
         )
         if req.stream:
             # Validation errors must be a 400, not an in-stream error: start it first.

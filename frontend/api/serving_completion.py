@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from frontend.api.common import (
     accumulate,
     check_model,
+    lora_for,
     merge_streams,
     new_id,
     now,
@@ -105,7 +106,12 @@ class CompletionServer:
         created = now()
         streams = [
             self.engine.generate_tokens(
-                p.prompt, p.prompt_token_ids, params, f"{request_id}-{i}", priority=req.priority
+                p.prompt,
+                p.prompt_token_ids,
+                params,
+                f"{request_id}-{i}",
+                priority=req.priority,
+                lora_request=lora_for(self.engine, model),
             )
             for i, p in enumerate(prompts)
         ]
