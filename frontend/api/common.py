@@ -48,6 +48,18 @@ def check_model(engine: AsyncLLM, served_names: list[str], model: str | None) ->
     raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
+async def refresh_loras(engine: AsyncLLM, served_names: list[str], model: str | None) -> None:
+    """Ask the engine for its adapters when a request names a model this server does not
+    know: another API server (or a request by path) may have loaded it."""
+    if (
+        engine.ready.enable_lora
+        and model is not None
+        and model not in served_names
+        and model not in engine.loras
+    ):
+        await engine.list_loras()
+
+
 def lora_for(engine: AsyncLLM, model: str) -> LoRARequest | None:
     """The adapter a checked model name picks (None: the base model)."""
     return engine.loras.get(model)

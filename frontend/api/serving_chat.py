@@ -15,6 +15,7 @@ from frontend.api.common import (
     lora_for,
     new_id,
     now,
+    refresh_loras,
     sampling_params_from,
     sse,
     sse_with_errors,
@@ -115,6 +116,7 @@ class ChatServer:
             raise APIError(400, str(e)[:500], "messages") from None
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        await refresh_loras(self.engine, self.served_names, req.model)
         model = check_model(self.engine, self.served_names, req.model)
         params, tools, prompt, prompt_ids = self.prepare(req)
         request_id = new_id("chatcmpl")

@@ -15,6 +15,7 @@ from frontend.api.common import (
     merge_streams,
     new_id,
     now,
+    refresh_loras,
     sampling_params_from,
     sse,
     sse_with_errors,
@@ -86,6 +87,7 @@ class CompletionServer:
         self.served_names = served_names
 
     async def create(self, req: CompletionRequest, raw: Request) -> Any:
+        await refresh_loras(self.engine, self.served_names, req.model)
         model = check_model(self.engine, self.served_names, req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")

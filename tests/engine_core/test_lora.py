@@ -98,9 +98,14 @@ def test_greedy_matches_hf_peft(engine: EngineCore, lora_setup: dict[str, Path])
     assert outputs["a"] != outputs["b"]
 
 
-@pytest.mark.parametrize("max_loras", [1, 2])
-def test_mixed_batch_equals_alone(lora_setup: dict[str, Path], max_loras: int) -> None:
-    engine = make_engine(lora_setup, max_loras=max_loras, enable_prefix_caching=False)
+@pytest.mark.parametrize(("max_loras", "num_blocks"), [(1, None), (2, None), (2, 8)])
+def test_mixed_batch_equals_alone(
+    lora_setup: dict[str, Path], max_loras: int, num_blocks: int | None
+) -> None:
+    overrides: dict[str, object] = {"enable_prefix_caching": False}
+    if num_blocks is not None:  # a KV cache so small that requests get preempted
+        overrides.update(block_size=8, kv_cache_memory_bytes=num_blocks * 2 * 2 * 8 * 2 * 16 * 4)
+    engine = make_engine(lora_setup, max_loras=max_loras, **overrides)
     prompts = random_prompts(5, 6, 999, 3, 30)
     loras = [None, "a", "b", "a", None, "b"]
     requests = [
@@ -117,7 +122,10 @@ def test_mixed_batch_equals_alone(lora_setup: dict[str, Path], max_loras: int) -
             slots_in_plan[new.request_id] = new.lora_slot
         used = {slots_in_plan[r] for r in plan.num_scheduled_tokens} - {0}
         assert len(used) <= max_loras
-    if max_loras == 2:  # all three models shared a step
+    if num_blocks is not None:
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.lora is not None and not engine.lora.slots.num_users
+    elif max_loras == 2:  # all three models shared a step
         assert any(
             {slots_in_plan[r] for r in plan.num_scheduled_tokens} == {0, 1, 2}
             for plan in mixed.plans
@@ -178,6 +186,15 @@ def test_eviction_pinning_and_reload(lora_setup: dict[str, Path]) -> None:
         run = run_to_completion(engine, [add(f"again-{name}", prompt, name)])
         assert run.records[f"again-{name}"].token_ids == alone[name]
         assert slots()["a"], "a pinned adapter was evicted"
+    # Pinning the last slot is refused while a queued request needs another adapter.
+    assert engine.add_request(add("queued-c", prompt, "c")) is None
+    with pytest.raises(LoRAError, match="every LoRA slot") as e:
+        engine.pin_lora("b")
+    assert e.value.kind == "busy"
+    with pytest.raises(LoRAError) as e:
+        engine.remove_lora("c")  # in use by the queued request
+    assert e.value.kind == "busy"
+    engine.abort_requests(["queued-c"])
     # With every slot pinned, an unpinned adapter's request is refused up front.
     engine.pin_lora("b")
     delta = engine.add_request(add("refused", prompt, "c"))
