@@ -18,7 +18,7 @@ from typing import Any, cast
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.executor import InProcessExecutor
-from engine_core.lora_manager import LoRAError, LoRAManager, LoRARunner
+from engine_core.lora_manager import LoRAManager, LoRARunner
 from engine_core.model_config import (
     DEFAULT_MODEL_NAME,
     ModelConfig,
@@ -413,25 +413,9 @@ class EngineCore:
         return True
 
     def pin_lora(self, lora_name: str) -> bool:
-        """Load an adapter now and never evict it.
-
-        Refused when it would pin the last slot while queued or running requests
-        need another adapter: they could then never run.
-        """
-        manager = self._lora_manager()
-        pinned = manager.slots.pinned | {lora_name}
-        needing = {
-            r.lora_name
-            for r in self.scheduler.requests.values()
-            if r.lora_name is not None and r.lora_name not in pinned
-        }
-        if len(pinned) >= manager.slots.max_loras and needing:
-            raise LoRAError(
-                f"pinning '{lora_name}' would pin every LoRA slot while requests for "
-                f"{sorted(needing)} are in flight",
-                "busy",
-            )
-        manager.pin(lora_name)
+        """Load an adapter now and never evict it."""
+        wanted = {r.lora_name for r in self.scheduler.requests.values() if r.lora_name}
+        self._lora_manager().pin(lora_name, wanted)
         return True
 
     def list_loras(self) -> list[dict[str, Any]]:

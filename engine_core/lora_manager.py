@@ -85,9 +85,21 @@ class LoRAManager:
         self.runner.unregister_lora(name)
         del self.entries[name]
 
-    def pin(self, name: str) -> None:
-        """Keep the adapter in a slot for good (loaded now)."""
+    def pin(self, name: str, wanted: set[str]) -> None:
+        """Keep the adapter in a slot for good (loaded now).
+
+        `wanted`: the adapters of queued and running requests. Pinning the last
+        slot is refused while one of them is not pinned: it could never run.
+        """
         self.get(name)
+        pinned = self.slots.pinned | {name}
+        stranded = sorted(wanted - pinned)
+        if len(pinned) >= self.slots.max_loras and stranded:
+            raise LoRAError(
+                f"pinning '{name}' would pin every LoRA slot while requests for "
+                f"{stranded} are in flight",
+                "busy",
+            )
         try:
             self.slots.pin(name)
         except ValueError as e:
