@@ -3,8 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from engine_core.config import EngineConfig
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lora-modules: invalid JSON {text!r}") from None
+        name, path = spec.get("name"), spec.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(
+            f'--lora-modules takes name=path or {{"name": ..., "path": ...}}, got {text!r}'
+        )
+    return name, path
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +72,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where sleep level 1 spills CPU weights (default: the system temp dir)",
     )
+    g.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters (requests pick one by model name)",
+    )
+    g.add_argument("--max-loras", type=int, default=1, help="adapters resident at once")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    g.add_argument(
+        "--lora-modules",
+        type=parse_lora_module,
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help='a PEFT adapter to serve as model NAME (repeatable; also {"name":..,"path":..})',
+    )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     g.add_argument(
         "--enforce-eager",
@@ -91,6 +125,10 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         sleep_offload_dir=ns.sleep_offload_dir,
         runner=ns.runner,
         enforce_eager=ns.enforce_eager,
+        enable_lora=ns.enable_lora,
+        max_loras=ns.max_loras,
+        max_lora_rank=ns.max_lora_rank,
+        lora_modules=tuple(ns.lora_modules or ()),
     )
 
 
@@ -106,6 +144,9 @@ def engine_args_to_argv(ns: argparse.Namespace) -> list[str]:
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif action.dest == "lora_modules":
+            for name, path in value:
+                argv += [flag, f"{name}={path}"]
         else:
             argv += [flag, str(value)]
     return argv

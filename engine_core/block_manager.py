@@ -3,8 +3,9 @@
 Imports no torch. The free list is an ordered dict that is also the LRU
 eviction order: a freed block goes to the back and keeps its prefix-cache
 hash until a new allocation takes it from the front. A full block is cached
-under a chained hash of (parent hash, its token ids, extra keys such as the
-LoRA name), so two requests that share a prefix share its blocks.
+under a chained hash of (parent hash, its token ids, the LoRA adapter's
+name and registration id), so two requests that share a prefix and an
+adapter share its blocks; different adapters never do.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]), request.lora_name)))
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            hashes.append(hash((parent, block, request.lora_cache_key)))
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -36,6 +36,12 @@ class EngineConfig:
     # embeddings (last-token pooling) instead of generating.
     runner: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    # Multi-LoRA: adapters resident at once (device slots), their largest rank,
+    # and (name, path) adapters registered at start-up.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -56,3 +62,9 @@ class EngineConfig:
             raise ValueError("max_waiting_requests must be at least 0")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
             raise ValueError("max_queue_wait must be positive")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be at least 1")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora")

@@ -13,11 +13,12 @@ import time
 import uuid
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.executor import InProcessExecutor
+from engine_core.lora_manager import LoRAManager, LoRARunner
 from engine_core.model_config import (
     DEFAULT_MODEL_NAME,
     ModelConfig,
@@ -72,11 +73,13 @@ class EngineCore:
         max_model_len = self._max_model_len(num_blocks, pooling_only="generate" not in tasks)
         # An encoder's blocks are bookkeeping only: nothing there to find again.
         prefix_caching = config.enable_prefix_caching and not self.model_config.is_encoder
+        self.lora = self._start_lora()
         self.scheduler = Scheduler(
             BlockManager(num_blocks, config.block_size, prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
+            lora_slots=self.lora.slots if self.lora is not None else None,
         )
         name = config.served_model_name or (
             DEFAULT_MODEL_NAME if config.model is None else config.model
@@ -113,6 +116,17 @@ class EngineCore:
             config.block_size,
             max_model_len,
         )
+
+    def _start_lora(self) -> LoRAManager | None:
+        """The adapter registry with the --lora-modules registered (None without LoRA)."""
+        if not self.config.enable_lora:
+            return None
+        if self.model_config.is_encoder:
+            raise ValueError("LoRA adapters are supported on Llama-family decoders only")
+        manager = LoRAManager(cast(LoRARunner, self.executor.runner), self.config.max_loras)
+        for name, path in self.config.lora_modules:
+            manager.add(name, path)
+        return manager
 
     def _max_model_len(self, num_blocks: int, pooling_only: bool) -> int:
         capacity = num_blocks * self.config.block_size
@@ -153,6 +167,8 @@ class EngineCore:
             eos_token_ids=list(info.eos_token_ids),
             supported_tasks=list(info.supported_tasks),
             hidden_size=self.model_config.hidden_size,
+            enable_lora=self.lora is not None,
+            loras=self.lora.requests() if self.lora is not None else [],
         )
 
     # --------------------------------------------------------------- requests
@@ -166,6 +182,9 @@ class EngineCore:
                 msg.request_id, [], finish_reason="error", error=reason, error_kind=kind
             )
         error = self._validate(msg)
+        lora_name, lora_id = None, 0
+        if error is None and msg.lora_request is not None:
+            error, lora_name, lora_id = self._resolve_lora(msg)
         if error is not None:
             return RequestDelta(msg.request_id, [], finish_reason="error", error=error)
         request = Request(
@@ -176,8 +195,9 @@ class EngineCore:
             arrival_time=msg.arrival_time,
             client_id=client_id,
             priority=msg.priority,
-            lora_name=msg.lora_name,
+            lora_name=lora_name,
             pooling_params=msg.pooling_params,
+            lora_id=lora_id,
         )
         constraint = msg.sampling_params.structured_outputs
         if constraint is not None and msg.pooling_params is None:
@@ -185,6 +205,20 @@ class EngineCore:
             self._compiling[request.request_id] = request
         self.scheduler.add_request(request)
         return None
+
+    def _resolve_lora(self, msg: AddRequest) -> tuple[str | None, str | None, int]:
+        """(error, adapter name, registration id) of a request that names an adapter."""
+        assert msg.lora_request is not None
+        if self.lora is None:
+            return "LoRA adapters are not enabled: start the engine with --enable-lora", None, 0
+        if msg.pooling_params is not None:
+            return "pooling requests cannot use a LoRA adapter", None, 0
+        try:
+            entry = self.lora.resolve(msg.lora_request)
+        except ValueError as e:
+            return str(e), None, 0
+        error = self.lora.check_runnable(entry.name)
+        return error, entry.name, entry.lora_id
 
     def _refusal(self) -> tuple[str, str] | None:
         """(error kind, message) when no new request can be taken now; a client may retry."""
@@ -362,12 +396,39 @@ class EngineCore:
         logger.info("woke %s in %.2f s", sorted(todo) or "nothing", time.monotonic() - started)
         return True
 
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
+        return self.lora
+
+    def add_lora(self, lora_name: str, lora_path: str, lora_int_id: int = 0) -> dict[str, Any]:
+        """Register a PEFT adapter under a model name; loaded into a slot when first used."""
+        self._lora_manager().add(lora_name, lora_path, lora_int_id)
+        return next(d for d in self._lora_manager().describe() if d["lora_name"] == lora_name)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter; refused while a queued or running request uses it."""
+        in_use = any(r.lora_name == lora_name for r in self.scheduler.requests.values())
+        self._lora_manager().remove(lora_name, in_use)
+        return True
+
+    def pin_lora(self, lora_name: str) -> bool:
+        """Load an adapter now and never evict it."""
+        wanted = {r.lora_name for r in self.scheduler.requests.values() if r.lora_name}
+        self._lora_manager().pin(lora_name, wanted)
+        return True
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return self._lora_manager().describe() if self.lora is not None else []
+
     def is_sleeping(self) -> bool:
         return bool(self._asleep)
 
     def check_invariants(self) -> bool:
         """The block manager's consistency check (raises if broken)."""
         self.scheduler.block_manager.check_invariants()
+        if self.lora is not None:
+            self.lora.slots.check_invariants()
         return True
 
     def get_stats(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 
 from engine_core.attention import AttentionMetadata, PrefillSeq
 from engine_core.config import EngineConfig
+from engine_core.lora import LoRAAdapter, LoRABatch, LoRAStacks, load_adapter
 from engine_core.model_config import ModelConfig, default_pooler
 from engine_core.models.llama import LlamaModel
 from engine_core.plan import NewRequestData, SchedulePlan, StepResult
@@ -26,6 +27,7 @@ from engine_core.sleep import ParkedWeights, release_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
 from engine_core.weights import load_weights
 from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
+from kernels.lora import lora_groups
 from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
@@ -75,6 +77,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     matcher: Any = None  # xgrammar GrammarMatcher of a constrained request
     pooling: PoolingParams | None = None  # set for a pooling request (--runner pooling)
+    lora_slot: int = 0  # the adapter slot its tokens use (0: none)
 
 
 class ModelRunner:
@@ -100,6 +103,13 @@ class ModelRunner:
         self._parked: ParkedWeights | None = None
         self.eos_token_ids = model_config.eos_token_ids
         self.pooler = default_pooler(model_config)
+        # LoRA: registered adapters on the CPU, and the device slots they are copied into.
+        self.lora_adapters: dict[str, LoRAAdapter] = {}
+        self.lora_stacks: LoRAStacks | None = None
+        if config.enable_lora:
+            self.lora_stacks = LoRAStacks(
+                model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device
+            )
         # Built (once per machine, then cached) before serving, not on the first step.
         self.compiled_decode = (
             self.device.type == "cpu"
@@ -134,7 +144,8 @@ class ModelRunner:
             )
             for _ in range(mc.num_layers)
         ]
-        if self.use_triton and not self.config.enforce_eager:
+        # The captured decode graphs know nothing of adapters: LoRA decodes eagerly.
+        if self.use_triton and not self.config.enforce_eager and self.lora_stacks is None:
             self._capture_graphs(int(num_blocks))
         return int(num_blocks)
 
@@ -209,6 +220,24 @@ class ModelRunner:
     def weights_offloaded(self) -> bool:
         return self._parked is not None or self.model is None
 
+    # ----------------------------------------------------------------- LoRA
+
+    def register_lora(self, name: str, path: str) -> int:
+        """Read and check an adapter into host memory; returns its rank (LoRAError if bad)."""
+        if self.lora_stacks is None:
+            raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
+        adapter = load_adapter(path, self.model_config, self.config.max_lora_rank)
+        self.lora_adapters[name] = adapter
+        return adapter.rank
+
+    def unregister_lora(self, name: str) -> None:
+        self.lora_adapters.pop(name, None)
+
+    def load_lora(self, slot: int, name: str) -> None:
+        """Copy a registered adapter into a device slot."""
+        assert self.lora_stacks is not None
+        self.lora_stacks.load(slot, self.lora_adapters[name])
+
     # -------------------------------------------------------------- execute
 
     def _add_request(self, new: NewRequestData) -> None:
@@ -235,10 +264,13 @@ class ModelRunner:
             output_token_ids=output_token_ids,
             matcher=matcher,
             pooling=new.pooling_params,
+            lora_slot=new.lora_slot,
         )
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> StepResult:
+        for slot, name in plan.lora_loads:
+            self.load_lora(slot, name)
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
@@ -263,6 +295,7 @@ class ModelRunner:
         logit_rows: list[int] = []  # flat index of each sampling row's last token
         prompt_lp_rows: list[tuple[str, int, int, int]] = []  # (id, flat start, pos, n)
         pool_rows: list[tuple[str, int, int]] = []  # (id, flat start, n): whole prompts
+        token_slots: list[int] = []  # each flat token's LoRA slot
         bs = self.block_size
         for request_id in order:
             state = self.requests[request_id]
@@ -272,6 +305,7 @@ class ModelRunner:
             flat_start = len(input_ids)
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
+            token_slots.extend([state.lora_slot] * n)
             blocks = state.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
@@ -297,6 +331,9 @@ class ModelRunner:
 
         device = self.device
         hidden = None
+        lora = None
+        if self.lora_stacks is not None and any(token_slots):
+            lora = LoRABatch(self.lora_stacks, lora_groups(token_slots, device))
         if self.graphs is not None and not prefill_rows:
             hidden = self.graphs.run(input_ids, positions, slots, decode_tables, decode_lens)
         if hidden is None:
@@ -312,6 +349,7 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=device),
                 meta,
                 self.kv_caches,
+                lora,
             )
         result = StepResult()
         if pool_rows:

@@ -30,6 +30,8 @@ class NewRequestData:
     grammar: Any = None
     # Set for a pooling request: all of its tokens are scheduled in this step.
     pooling_params: PoolingParams | None = None
+    # The LoRA slot whose adapter the request runs with (0: the base model).
+    lora_slot: int = 0
 
 
 @dataclass
@@ -49,6 +51,8 @@ class SchedulePlan:
     cached_requests: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # request id -> tokens this step
     finished_request_ids: list[str] = field(default_factory=list)
+    # (slot, adapter name): adapters to copy into their slots before this step.
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -38,6 +38,7 @@ class Request:
         priority: int = 0,
         lora_name: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_id: int = 0,
     ) -> None:
         self.request_id = request_id
         self.client_id = client_id
@@ -53,6 +54,10 @@ class Request:
         self.first_token_at: float | None = None
         self.priority = priority
         self.lora_name = lora_name
+        # The engine's id of this registration of the adapter: an adapter removed
+        # and loaded again under the same name never finds the old one's blocks.
+        self.lora_id = lora_id
+        self.lora_slot = 0  # the device slot while running (0: none held)
         # A pooling request is computed whole in one step and then finishes.
         self.pooling_params = pooling_params
         self.status = RequestStatus.WAITING
@@ -80,6 +85,11 @@ class Request:
         scheduled = self.scheduled_at if self.scheduled_at is not None else done
         first = self.first_token_at if self.first_token_at is not None else done
         return RequestTimings(scheduled - self.queued_at, first - scheduled, done - first)
+
+    @property
+    def lora_cache_key(self) -> tuple[str, int] | None:
+        """What the prefix cache keys blocks by besides their tokens."""
+        return None if self.lora_name is None else (self.lora_name, self.lora_id)
 
     @property
     def is_pooling(self) -> bool:

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from engine_core.block_manager import BlockManager
+from engine_core.lora_slots import LoRASlots
 from engine_core.plan import CachedRequestData, NewRequestData, SchedulePlan, StepResult
 from engine_core.request import Request, RequestStatus
 from protocol.messages import RequestDelta, SchedulerStats
@@ -34,8 +35,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # With LoRA: a request runs only while its adapter holds a slot, so a
+        # step never names more adapters than there are slots.
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -115,7 +120,7 @@ class Scheduler:
         while self.waiting and not preempted_now and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
-            ready = next((r for r in self.waiting if r.is_ready), None)
+            ready = next((r for r in self.waiting if r.is_ready and self._lora_fits(r)), None)
             if ready is None:
                 break  # the rest wait for their grammars to compile
             request = ready
@@ -131,6 +136,8 @@ class Scheduler:
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 break
             self.waiting.remove(request)
+            if request.lora_name is not None and self.lora_slots is not None:
+                request.lora_slot = self.lora_slots.acquire(request.lora_name)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -151,13 +158,15 @@ class Scheduler:
                     num_output_tokens=request.num_output_tokens,
                     grammar=request.grammar.result() if request.grammar is not None else None,
                     pooling_params=request.pooling_params,
+                    lora_slot=request.lora_slot,
                 )
             )
             self._runner_known.add(request.request_id)
 
         finished = self._finished_since_last_plan
         self._finished_since_last_plan = []
-        return SchedulePlan(new_reqs, cached_reqs, num_scheduled, finished)
+        loads = self.lora_slots.take_pending_loads() if self.lora_slots is not None else []
+        return SchedulePlan(new_reqs, cached_reqs, num_scheduled, finished, loads)
 
     # ----------------------------------------------------------------- update
 
@@ -233,8 +242,19 @@ class Scheduler:
 
     # -------------------------------------------------------------- internals
 
+    def _lora_fits(self, request: Request) -> bool:
+        if request.lora_name is None or self.lora_slots is None:
+            return True
+        return self.lora_slots.can_acquire(request.lora_name)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot and request.lora_name is not None and self.lora_slots is not None:
+            self.lora_slots.release(request.lora_name)
+        request.lora_slot = 0
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._release_lora(request)
         self.block_manager.free(request)
         self._forget_in_runner(request.request_id)
         request.status = RequestStatus.PREEMPTED
@@ -244,6 +264,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _free(self, request: Request) -> None:
+        self._release_lora(request)
         request.status = RequestStatus.FINISHED
         self.block_manager.free(request)
         self._forget_in_runner(request.request_id)

@@ -19,6 +19,8 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -26,6 +28,7 @@ import zmq
 from engine_core.addresses import split_address
 from engine_core.curve import bind_address, secure_server
 from engine_core.engine import EngineBusyError, EngineCore
+from engine_core.lora_manager import LoRAError
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -82,7 +85,7 @@ class EngineCoreServer:
             threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
             threading.Thread(target=self._output_loop, name="engine-output", daemon=True),
         ]
-        self._utilities = {
+        self._utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": engine.reset_prefix_cache,
             "get_stats": engine.get_stats,
             "start_profile": engine.start_profile,
@@ -91,6 +94,10 @@ class EngineCoreServer:
             "wake_up": engine.wake_up,
             "is_sleeping": engine.is_sleeping,
             "check_invariants": engine.check_invariants,
+            "add_lora": engine.add_lora,
+            "remove_lora": engine.remove_lora,
+            "pin_lora": engine.pin_lora,
+            "list_loras": engine.list_loras,
             "ping": lambda: "pong",
             "echo": lambda *args, **kwargs: {"args": list(args), "kwargs": kwargs},
         }
@@ -180,6 +187,8 @@ class EngineCoreServer:
             return UtilityResult(call.call_id, result=method(*call.args, **call.kwargs))
         except EngineBusyError as e:
             return UtilityResult(call.call_id, error=str(e), error_kind="busy")
+        except LoRAError as e:  # not_found / invalid / busy
+            return UtilityResult(call.call_id, error=str(e), error_kind=e.kind)
         except (ValueError, TypeError) as e:  # bad arguments: the caller's mistake
             return UtilityResult(call.call_id, error=str(e), error_kind="invalid")
         except Exception as e:  # noqa: BLE001 - reported to the caller, engine keeps going

@@ -7,13 +7,22 @@ only when it is constructed.
 from typing import TYPE_CHECKING, Any
 
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from protocol.messages import LoRARequest
 from protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from frontend.async_llm import AsyncLLM
     from frontend.llm import LLM
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "LoRARequest",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,7 @@ from frontend.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from frontend.pooling import floats_from_bytes
 from frontend.processor import Processor, PromptType
 from frontend.tokenizer import Tokenizer
-from protocol.messages import RequestDelta
+from protocol.messages import LoRARequest, RequestDelta
 from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
@@ -75,6 +75,8 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.processor = Processor(tokenizer, client.ready)
         self.model_name = client.ready.model_name
+        # Adapters by model name, as this server last heard from the engine.
+        self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in client.ready.loras}
         self._engine_process = engine_process
         # request id -> (engine request ids, the queue its deltas arrive on)
         self._active: dict[str, tuple[list[str], DeltaQueue]] = {}
@@ -151,6 +153,7 @@ class AsyncLLM:
         output_kind: OutputKind = "delta",
         add_special_tokens: bool = True,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come; aborts the engine request if the caller stops."""
         processed = self.processor.process_prompt(prompt, add_special_tokens)
@@ -161,6 +164,7 @@ class AsyncLLM:
             request_id,
             output_kind,
             priority,
+            lora_request,
         ):
             yield out
 
@@ -172,6 +176,7 @@ class AsyncLLM:
         request_id: str,
         output_kind: OutputKind = "delta",
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         from frontend.processor import ProcessedPrompt
 
@@ -181,7 +186,11 @@ class AsyncLLM:
             # Known from the engine's last stats; the engine refuses too, should it be stale.
             raise EngineUnavailableError(SLEEPING_MESSAGE, "sleeping")
         params, requests = self.processor.make_requests(
-            request_id, ProcessedPrompt(prompt, prompt_token_ids), sampling_params, priority
+            request_id,
+            ProcessedPrompt(prompt, prompt_token_ids),
+            sampling_params,
+            priority,
+            lora_request,
         )
         state = RequestState(
             request_id, prompt, prompt_token_ids, params, self.tokenizer, output_kind
@@ -330,6 +339,35 @@ class AsyncLLM:
         asleep = bool(await self.client.call_utility("is_sleeping"))
         self.client.stats.is_sleeping = asleep
         return asleep
+
+    # ------------------------------------------------------------------ LoRA
+
+    async def add_lora(self, lora_request: LoRARequest) -> dict[str, Any]:
+        """Register an adapter with the engine; UtilityError (kind not_found/invalid) if bad."""
+        r = lora_request
+        info = await self.client.call_utility(
+            "add_lora", r.lora_name, r.lora_path, r.lora_int_id, timeout=120.0
+        )
+        self.loras[r.lora_name] = LoRARequest(r.lora_name, info["lora_int_id"], info["lora_path"])
+        return dict(info)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        await self.client.call_utility("remove_lora", lora_name)
+        self.loras.pop(lora_name, None)
+
+    async def pin_lora(self, lora_name: str) -> None:
+        await self.client.call_utility("pin_lora", lora_name)
+
+    async def list_loras(self) -> list[dict[str, Any]]:
+        """The engine's adapters (name, id, path, rank, pinned, slot); refreshes `loras`."""
+        if not self.ready.enable_lora:
+            return []
+        infos = list(await self.client.call_utility("list_loras"))
+        self.loras = {
+            d["lora_name"]: LoRARequest(d["lora_name"], d["lora_int_id"], d["lora_path"])
+            for d in infos
+        }
+        return infos
 
     async def get_stats(self) -> dict[str, Any]:
         return dict(await self.client.call_utility("get_stats"))

@@ -101,6 +101,10 @@ class InprocClient:
             "wake_up": self.engine.wake_up,
             "is_sleeping": self.engine.is_sleeping,
             "check_invariants": self.engine.check_invariants,
+            "add_lora": self.engine.add_lora,
+            "remove_lora": self.engine.remove_lora,
+            "pin_lora": self.engine.pin_lora,
+            "list_loras": self.engine.list_loras,
         }
         if method not in utilities:
             raise ValueError(f"unknown utility method {method!r}")

@@ -35,6 +35,7 @@ from frontend.outputs import (
 from frontend.pooling import cosine_similarity, floats_from_bytes, score_pairs
 from frontend.processor import Processor, PromptType
 from frontend.tokenizer import Tokenizer
+from protocol.messages import LoRARequest
 from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
 
@@ -67,10 +68,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order."""
+        """One RequestOutput per prompt, in order; with `lora_request`, through that adapter."""
         prompt_list = _as_prompt_list(prompts)
-        return self._run(prompt_list, sampling_params, use_tqdm, add_special_tokens=True)
+        return self._run(
+            prompt_list, sampling_params, use_tqdm, add_special_tokens=True, lora=lora_request
+        )
 
     def chat(
         self,
@@ -81,6 +85,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate."""
         conversations: Sequence[ChatMessages]
@@ -99,7 +104,9 @@ class LLM:
             for conv in conversations
         ]
         # The template already holds the special tokens.
-        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+        return self._run(
+            prompts, sampling_params, use_tqdm, add_special_tokens=False, lora=lora_request
+        )
 
     def encode(
         self,
@@ -204,12 +211,29 @@ class LLM:
     def is_sleeping(self) -> bool:
         return bool(self.client.call_utility("is_sleeping"))
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (vLLM's LLM.add_lora); requests may also name it by path."""
+        self.client.call_utility(
+            "add_lora", lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id
+        )
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return bool(self.client.call_utility("remove_lora", lora_name))
+
+    def pin_lora(self, lora_name: str) -> bool:
+        return bool(self.client.call_utility("pin_lora", lora_name))
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return list(self.client.call_utility("list_loras"))
+
     def _run(
         self,
         prompts: list[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         add_special_tokens: bool,
+        lora: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
@@ -228,7 +252,9 @@ class LLM:
         for prompt, params in zip(prompts, params_list, strict=True):
             request_id = str(next(self._ids))
             processed = self.processor.process_prompt(prompt, add_special_tokens)
-            params, requests = self.processor.make_requests(request_id, processed, params)
+            params, requests = self.processor.make_requests(
+                request_id, processed, params, lora_request=lora
+            )
             state = RequestState(
                 request_id,
                 processed.prompt,

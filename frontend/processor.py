@@ -14,7 +14,7 @@ from typing import Any
 
 from frontend.output_processor import child_params, child_request_id
 from frontend.tokenizer import Tokenizer
-from protocol.messages import AddRequest, Ready
+from protocol.messages import AddRequest, LoRARequest, Ready
 from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams, SamplingParamsError
 
@@ -144,7 +144,7 @@ class Processor:
         prompt: ProcessedPrompt,
         params: SamplingParams,
         priority: int = 0,
-        lora_name: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[SamplingParams, list[AddRequest]]:
         """Validate and fan out; returns the effective params and the engine requests."""
         self.check_task("generate")
@@ -175,7 +175,7 @@ class Processor:
                 sampling_params=child_params(params, i),
                 arrival_time=now,
                 priority=priority,
-                lora_name=lora_name,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]

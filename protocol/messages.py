@@ -28,6 +28,16 @@ class Hello(msgspec.Struct, tag="hello"):
     protocol_version: int
 
 
+class LoRARequest(msgspec.Struct, omit_defaults=True):
+    """A LoRA adapter by name (vLLM's LoRARequest): the engine loads `lora_path`
+    under `lora_name` if it does not know that name yet. `lora_int_id` is the
+    caller's id for it; the engine keys its own state by name."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
 class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     """A new request, already tokenized.
 
@@ -41,7 +51,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0
-    lora_name: str | None = None
+    lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
 
 
@@ -89,6 +99,8 @@ class Ready(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int]
     supported_tasks: list[str]  # "generate" and/or "embed"
     hidden_size: int = 0  # the length of a pooled vector
+    enable_lora: bool = False
+    loras: list[LoRARequest] = msgspec.field(default_factory=list)  # registered now
     error: str | None = None
 
 

@@ -194,3 +194,80 @@ def build_tiny_bert(directory: Path, pooling: str, normalize: bool, seed: int = 
         )
     )
     return directory
+
+
+def build_lora_adapter(
+    base_dir: Path,
+    directory: Path,
+    rank: int,
+    alpha: float,
+    target_modules: list[str],
+    use_rslora: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Save a random PEFT LoRA adapter for the model in `base_dir` into `directory`.
+
+    PEFT initialises B to zeros (a no-op adapter); every LoRA weight is redrawn
+    here so the adapter changes the outputs.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        use_rslora=use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
+    peft_model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def write_random_lora(
+    directory: Path,
+    num_layers: int,
+    shapes: dict[str, tuple[int, int]],
+    rank: int,
+    alpha: float,
+    seed: int = 0,
+) -> Path:
+    """A PEFT-format adapter written without peft, for models peft cannot load (GGUF).
+
+    `shapes` maps module names (q_proj, ...) to (in_features, out_features).
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(num_layers):
+        for module, (d_in, d_out) in shapes.items():
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = 0.1 * torch.randn(rank, d_in, generator=generator)
+            tensors[f"{key}.lora_B.weight"] = 0.1 * torch.randn(d_out, rank, generator=generator)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted(shapes),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory

@@ -27,6 +27,7 @@ from kernels import cpu_ops
 from kernels.linear import Linear
 
 if TYPE_CHECKING:
+    from engine_core.lora import LoRABatch
     from engine_core.triton_attention import TritonAttentionMetadata
 
 
@@ -157,11 +158,15 @@ class LlamaModel:
         positions: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata | TritonAttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm → [num_tokens, hidden]."""
+        """Hidden states after the final norm → [num_tokens, hidden].
+
+        With `lora`, each projection adds the LoRA delta of its token's adapter.
+        """
         if self.use_triton:
             return self._forward_triton(
-                input_ids, positions, cast("TritonAttentionMetadata", meta), kv_caches
+                input_ids, positions, cast("TritonAttentionMetadata", meta), kv_caches, lora
             )
         assert isinstance(meta, AttentionMetadata)
         cfg = self.config
@@ -172,7 +177,7 @@ class LlamaModel:
         x = self._rms_norm(residual, self.layers[0].input_layernorm)
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = layer.qkv_proj(x)  # [num_tokens, q + 2kv]
+            qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -184,9 +189,12 @@ class LlamaModel:
             k = _apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
             x, residual = self._add_rms_norm(
-                layer.o_proj(attn.flatten(1)), residual, layer.post_attention_layernorm
+                _project(layer.o_proj, attn.flatten(1), lora, i, "o_proj"),
+                residual,
+                layer.post_attention_layernorm,
             )
-            mlp = layer.down_proj(self._silu_and_mul(layer.gate_up_proj(x)))
+            gate_up = _project(layer.gate_up_proj, x, lora, i, "gate_up_proj")
+            mlp = _project(layer.down_proj, self._silu_and_mul(gate_up), lora, i, "down_proj")
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
             x, residual = self._add_rms_norm(mlp, residual, next_norm)
         return x
@@ -197,6 +205,7 @@ class LlamaModel:
         positions: torch.Tensor,  # [num_tokens]
         meta: TritonAttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """forward() through the Triton kernels; the same math, fewer passes over memory."""
         from engine_core.triton_attention import triton_paged_attention
@@ -210,7 +219,7 @@ class LlamaModel:
         x = rms_norm(residual, self.layers[0].input_layernorm, eps)
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = layer.qkv_proj(x)  # [num_tokens, q + 2kv]
+            qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -221,9 +230,10 @@ class LlamaModel:
             # In place on the (strided) views of qkv; the kernels take the strides.
             rotary_embedding(positions, q, k, self.rope_cos, self.rope_sin, is_neox=True)
             attn = triton_paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = layer.o_proj(attn.flatten(1))
+            x = _project(layer.o_proj, attn.flatten(1), lora, i, "o_proj")
             fused_add_rms_norm(x, residual, layer.post_attention_layernorm, eps)
-            x = layer.down_proj(silu_and_mul(layer.gate_up_proj(x)))
+            gate_up = _project(layer.gate_up_proj, x, lora, i, "gate_up_proj")
+            x = _project(layer.down_proj, silu_and_mul(gate_up), lora, i, "down_proj")
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
             fused_add_rms_norm(x, residual, next_norm, eps)
         return x
@@ -254,6 +264,16 @@ class LlamaModel:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
+
+
+def _project(
+    linear: Linear, x: torch.Tensor, lora: LoRABatch | None, layer: int, name: str
+) -> torch.Tensor:
+    """The base projection, plus each token's LoRA delta when adapters are in the batch."""
+    out = linear(x)
+    if lora is not None:
+        out = lora.apply(layer, name, x, out)
+    return out
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

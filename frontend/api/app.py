@@ -33,6 +33,8 @@ from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.api.serving_anthropic import build_router as build_anthropic_router
 from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
+from frontend.api.serving_lora import build_router as build_lora_router
+from frontend.api.serving_lora import lora_card
 from frontend.api.serving_pooling import POOLING_PATHS, EmbeddingRequest, PoolingServer
 from frontend.api.serving_pooling import build_router as build_pooling_router
 from frontend.api.serving_responses import build_router as build_responses_router
@@ -55,6 +57,8 @@ _ADMIN_PATHS = {
     "/start-profile",
     "/stop_profile",
     "/stop-profile",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
 }
 # What POST /collective_rpc may call on the engine; anything else is a 400.
 ADMIN_RPC_METHODS = frozenset(
@@ -71,7 +75,13 @@ ADMIN_RPC_METHODS = frozenset(
 )
 MAX_RPC_TIMEOUT_S = 600.0
 # HTTP status of a failed engine utility call, by UtilityError.kind.
-_UTILITY_STATUS = {"unknown_method": 400, "invalid": 400, "busy": 409, "failed": 500}
+_UTILITY_STATUS = {
+    "unknown_method": 400,
+    "invalid": 400,
+    "not_found": 404,
+    "busy": 409,
+    "failed": 500,
+}
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,8 @@ def build_app(
                 if header.lower().startswith("bearer ")
                 else (request.headers.get("x-api-key", ""))
             ).encode()
-            if admin_key is not None and path in _ADMIN_PATHS:
+            is_admin = path in _ADMIN_PATHS or path.startswith("/v1/loras")
+            if admin_key is not None and is_admin:
                 # Constant-time, and the admin key only: an API key is not enough here.
                 if not hmac.compare_digest(token, admin_key):
                     return error_response(request, APIError(401, "invalid or missing admin key"))
@@ -199,6 +210,12 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        adapters: list[dict[str, Any]] = []
+        if engine.ready.enable_lora:
+            try:
+                adapters = [lora_card(i, served[0]) for i in await engine.list_loras()]
+            except (UtilityError, EngineDeadError, TimeoutError):
+                adapters = []  # the base model is still worth listing
         return {
             "object": "list",
             "data": [
@@ -212,7 +229,8 @@ def build_app(
                     "max_model_len": engine.ready.max_model_len,
                 }
                 for name in served
-            ],
+            ]
+            + adapters,
         }
 
     in_flight = {"count": 0}
@@ -347,6 +365,8 @@ def build_app(
         )
 
     app.include_router(build_tokenize_router(engine, served, chat))
+    if engine.ready.enable_lora:
+        app.include_router(build_lora_router(engine, served))
     if "generate" in tasks:
         app.include_router(build_anthropic_router(engine, served, chat))
         app.include_router(build_responses_router(engine, served, chat, generating, tool_servers))

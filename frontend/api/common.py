@@ -18,6 +18,7 @@ from frontend.api.structured_outputs import constraint_from
 from frontend.async_llm import AsyncLLM, EngineRequestError, EngineUnavailableError
 from frontend.engine_client import EngineDeadError
 from frontend.outputs import CompletionOutput
+from protocol.messages import LoRARequest
 from protocol.sampling_params import SamplingParams, SamplingParamsError
 
 T = TypeVar("T")
@@ -41,10 +42,29 @@ def now() -> int:
 
 
 def check_model(engine: AsyncLLM, served_names: list[str], model: str | None) -> str:
-    """The served name a request asks for; 404 for any other."""
+    """The served name (or LoRA adapter name) a request asks for; 404 for any other."""
     if model is None or model in served_names:
         return model or served_names[0]
+    if model in engine.loras:
+        return model
     raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+async def refresh_loras(engine: AsyncLLM, served_names: list[str], model: str | None) -> None:
+    """Ask the engine for its adapters when a request names a model this server does not
+    know: another API server (or a request by path) may have loaded it."""
+    if (
+        engine.ready.enable_lora
+        and model is not None
+        and model not in served_names
+        and model not in engine.loras
+    ):
+        await engine.list_loras()
+
+
+def lora_for(engine: AsyncLLM, model: str) -> LoRARequest | None:
+    """The adapter a checked model name picks (None: the base model)."""
+    return engine.loras.get(model)
 
 
 def sampling_params_from(

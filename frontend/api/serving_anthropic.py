@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.common import as_api_error, check_model, unless_disconnected
+from frontend.api.common import as_api_error, check_model, lora_for, unless_disconnected
 from frontend.api.errors import APIError, anthropic_error_body
 from frontend.api.openai_models import ChatCompletionRequest
 from frontend.api.serving_chat import ChatServer
@@ -288,7 +288,9 @@ def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRo
         model = check_model(engine, served, req.model)
         params, tools, prompt, prompt_ids = chat.prepare(to_chat_request(req))
         message_id = f"msg_{uuid.uuid4().hex}"
-        stream = engine.generate_tokens(prompt, prompt_ids, params, message_id)
+        stream = engine.generate_tokens(
+            prompt, prompt_ids, params, message_id, lora_request=lora_for(engine, model)
+        )
         builder = BlockBuilder(tools, chat.tool_parser)
         if req.stream:
             first = await anext(stream)

@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from frontend.api.common import (
     accumulate,
     check_model,
+    lora_for,
     new_id,
     now,
+    refresh_loras,
     sampling_params_from,
     sse,
     sse_with_errors,
@@ -114,12 +116,18 @@ class ChatServer:
             raise APIError(400, str(e)[:500], "messages") from None
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        await refresh_loras(self.engine, self.served_names, req.model)
         model = check_model(self.engine, self.served_names, req.model)
         params, tools, prompt, prompt_ids = self.prepare(req)
         request_id = new_id("chatcmpl")
         created = now()
         stream = self.engine.generate_tokens(
-            prompt, prompt_ids, params, request_id, priority=req.priority
+            prompt,
+            prompt_ids,
+            params,
+            request_id,
+            priority=req.priority,
+            lora_request=lora_for(self.engine, model),
         )
         if req.stream:
             # Validation errors must be a 400, not an in-stream error: start it first.

@@ -11,9 +11,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from frontend.api.common import (
     accumulate,
     check_model,
+    lora_for,
     merge_streams,
     new_id,
     now,
+    refresh_loras,
     sampling_params_from,
     sse,
     sse_with_errors,
@@ -87,6 +89,7 @@ class CompletionServer:
         self.served_names = served_names
 
     async def create(self, req: CompletionRequest, raw: Request) -> Any:
+        await refresh_loras(self.engine, self.served_names, req.model)
         model = check_model(self.engine, self.served_names, req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
@@ -107,7 +110,12 @@ class CompletionServer:
         created = now()
         streams = [
             self.engine.generate_tokens(
-                p.prompt, p.prompt_token_ids, params, f"{request_id}-{i}", priority=req.priority
+                p.prompt,
+                p.prompt_token_ids,
+                params,
+                f"{request_id}-{i}",
+                priority=req.priority,
+                lora_request=lora_for(self.engine, model),
             )
             for i, p in enumerate(prompts)
         ]

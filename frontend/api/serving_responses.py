@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from frontend.api.common import as_api_error, check_model, now, unless_disconnected
+from frontend.api.common import as_api_error, check_model, lora_for, now, unless_disconnected
 from frontend.api.errors import APIError
 from frontend.api.mcp_tools import McpRequest, McpSession, ToolServer, mcp_requests
 from frontend.api.responses_items import (
@@ -172,7 +172,12 @@ class ResponsesServer:
             builder.new_round(tool_req, self.chat.tool_parser, labels)
             turn.num_prompt += len(prompt_ids)
             stream = self.engine.generate_tokens(
-                prompt, prompt_ids, params, item_id("resp"), priority=req.priority
+                prompt,
+                prompt_ids,
+                params,
+                item_id("resp"),
+                priority=req.priority,
+                lora_request=lora_for(self.engine, req.model or ""),
             )
             async for out in stream:
                 if not started:

@@ -13,6 +13,8 @@ TORCH_FREE_MODULES = (
     "engine_core.plan",
     "engine_core.block_manager",
     "engine_core.scheduler",
+    "engine_core.lora_slots",
+    "engine_core.lora_manager",
     "engine_core.model_config",
 )
 
