@@ -32,3 +32,18 @@ def default_ipc_address() -> str:
     )
     os.chmod(directory, 0o700)
     return f"ipc://{directory}/engine"
+
+
+def dp_addresses(base: str, size: int) -> list[str]:
+    """Addresses of `size` data-parallel engine cores named after `base`.
+
+    ipc: base, base-dp1, base-dp2 ...; tcp: each engine takes two ports, so
+    the i-th starts at port + 2 i.
+    """
+    if size == 1:
+        return [base]
+    if base.startswith("tcp://"):
+        host, _, port = base[len("tcp://") :].rpartition(":")
+        return [f"tcp://{host}:{int(port) + 2 * i}" for i in range(size)]
+    split_address(base)  # checks the form
+    return [base] + [f"{base}-dp{i}" for i in range(1, size)]

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from frontend.dp_client import DPClient
 from frontend.engine_client import AsyncMPClient, EngineDeadError
 from frontend.output_processor import OutputKind, RequestState
 from frontend.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -65,7 +66,7 @@ class AsyncLLM:
 
     def __init__(
         self,
-        client: AsyncMPClient,
+        client: AsyncMPClient | DPClient,
         tokenizer: Tokenizer,
         engine_process: subprocess.Popen[bytes] | None = None,
     ) -> None:
@@ -93,7 +94,13 @@ class AsyncLLM:
         curve_dir: str | None = None,
     ) -> AsyncLLM:
         """Attach to a running engine core (`curve_dir`: its CURVE keys, for tcp)."""
-        client = AsyncMPClient(address, curve_dir=curve_dir)
+        # Several comma-separated addresses: data-parallel engine cores.
+        addresses = [a.strip() for a in address.split(",") if a.strip()]
+        client: AsyncMPClient | DPClient
+        if len(addresses) > 1:
+            client = DPClient(addresses, curve_dir=curve_dir)
+        else:
+            client = AsyncMPClient(address, curve_dir=curve_dir)
         ready = await client.start(timeout=timeout)
         tokenizer = await asyncio.to_thread(Tokenizer, ready.tokenizer_path, chat_template)
         return cls(client, tokenizer)
@@ -328,17 +335,23 @@ class AsyncLLM:
     async def sleep(self, level: int = 1) -> None:
         """Free the KV cache and park (1) or drop (2) the weights; refused mid-request."""
         await self.client.call_utility("sleep", level, timeout=300.0)
-        self.client.stats.is_sleeping = True
+        self.note_sleeping(True)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back the weights and/or KV cache ("weights", "kv_cache"; all by default)."""
         await self.client.call_utility("wake_up", tags, timeout=300.0)
-        self.client.stats.is_sleeping = bool(await self.client.call_utility("is_sleeping"))
+        self.note_sleeping(bool(await self.client.call_utility("is_sleeping")))
 
     async def is_sleeping(self) -> bool:
         asleep = bool(await self.client.call_utility("is_sleeping"))
-        self.client.stats.is_sleeping = asleep
+        self.note_sleeping(asleep)
         return asleep
+
+    def note_sleeping(self, asleep: bool) -> None:
+        """Keep this server's view of the engine(s) in step without waiting for stats."""
+        clients = self.client.clients if isinstance(self.client, DPClient) else [self.client]
+        for client in clients:
+            client.stats.is_sleeping = asleep
 
     # ------------------------------------------------------------------ LoRA
 
@@ -370,6 +383,16 @@ class AsyncLLM:
         return infos
 
     async def get_stats(self) -> dict[str, Any]:
+        if isinstance(self.client, DPClient):
+            engines = await self.client.call_utility_all("get_stats")
+            totals = {
+                key: sum(e[key] for e in engines)
+                for key in engines[0]
+                if all(
+                    isinstance(e.get(key), int) and not isinstance(e[key], bool) for e in engines
+                )
+            }
+            return {**totals, "engines": engines, "num_routed": list(self.client.num_routed)}
         return dict(await self.client.call_utility("get_stats"))
 
     async def check_health(self) -> bool:

@@ -256,7 +256,11 @@ def _split_specs(spec: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="api-server", description=__doc__)
-    parser.add_argument("--engine", required=True, help="the engine core's address")
+    parser.add_argument(
+        "--engine",
+        required=True,
+        help="the engine core's address; several, comma-separated, for data-parallel engine cores",
+    )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument(
         "--engine-timeout",

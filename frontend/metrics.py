@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from protocol.messages import RequestTimings
 
 if TYPE_CHECKING:
+    from frontend.dp_client import DPClient
     from frontend.engine_client import AsyncMPClient
 
 _LATENCY_BUCKETS = (
@@ -52,7 +53,7 @@ class EngineStatsCollector(Collector):
     """Engine gauges and counters read from the latest stats the engine sent."""
 
     def __init__(
-        self, client: AsyncMPClient, model_name: str, block_size: int, num_blocks: int
+        self, client: AsyncMPClient | DPClient, model_name: str, block_size: int, num_blocks: int
     ) -> None:
         self.client = client
         self.model_name = model_name

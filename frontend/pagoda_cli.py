@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from engine_core.addresses import default_ipc_address
+from engine_core.addresses import default_ipc_address, dp_addresses
 from engine_core.args import add_engine_args, engine_args_to_argv
 from frontend.api.tool_calls import TOOL_CALL_PARSERS
 from frontend.cli import add_frontend_args, frontend_args_to_argv
@@ -27,11 +27,20 @@ def _serve(ns: argparse.Namespace) -> int:
     address = ns.address or default_ipc_address()
     python = sys.executable
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
-    engine_argv = [python, "-m", "engine_core.cli", "--address", address, *engine_args_to_argv(ns)]
+    addresses = dp_addresses(address, ns.data_parallel_size)
+    engine_flags = engine_args_to_argv(ns)
     if ns.curve_keys:
-        engine_argv += ["--curve-keys", ns.curve_keys]
-    children.append(("engine-core", subprocess.Popen(engine_argv)))
-    api_argv = [python, "-m", "frontend.cli", "--engine", address, *frontend_args_to_argv(ns)]
+        engine_flags += ["--curve-keys", ns.curve_keys]
+    if ns.data_parallel_size > 1 and ns.num_threads is None:
+        # The engines share the cores rather than each claiming all of them.
+        threads = max(1, (os.cpu_count() or 1) // ns.data_parallel_size)
+        engine_flags += ["--num-threads", str(threads)]
+    for i, engine_address in enumerate(addresses):
+        engine_argv = [python, "-m", "engine_core.cli", "--address", engine_address, *engine_flags]
+        name = "engine-core" if len(addresses) == 1 else f"engine-core {i}"
+        children.append((name, subprocess.Popen(engine_argv)))
+    engines = ",".join(addresses)
+    api_argv = [python, "-m", "frontend.cli", "--engine", engines, *frontend_args_to_argv(ns)]
     if ns.served_model_name:
         api_argv += ["--served-model-name", ns.served_model_name]
     if ns.curve_keys:
@@ -103,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-server-count", type=int, default=1)
     serve.add_argument("--address", default=None, help="the engine core's address")
     serve.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores, each with the whole model; requests go to the least loaded",
+    )
+    serve.add_argument(
         "--curve-keys", default=None, metavar="DIR", help="CURVE keys for a tcp --address"
     )
     serve.add_argument("model_tag", nargs="?", default=None, help="same as --model")
@@ -135,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             ns.model = ns.model_tag
         if ns.api_server_count < 1:
             parser.error("--api-server-count must be at least 1")
+        if ns.data_parallel_size < 1:
+            parser.error("--data-parallel-size must be at least 1")
         return _serve(ns)
     return 2
 

@@ -40,6 +40,7 @@ from frontend.api.serving_pooling import build_router as build_pooling_router
 from frontend.api.serving_responses import build_router as build_responses_router
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
+from frontend.dp_client import DPClient
 from frontend.engine_client import EngineDeadError, UtilityError
 from frontend.metrics import EngineStatsCollector, FrontendMetrics
 
@@ -455,15 +456,25 @@ def build_app(
                 or not 0 < timeout <= MAX_RPC_TIMEOUT_S
             ):
                 raise APIError(400, f"timeout must be in (0, {MAX_RPC_TIMEOUT_S:g}]", "timeout")
-            result = await utility(
-                lambda: engine.client.call_utility(
-                    method, *args, timeout=float(timeout), kwargs=kwargs
+            client = engine.client
+            if isinstance(client, DPClient):  # one result per engine core
+                results = await utility(
+                    lambda: client.call_utility_all(
+                        method, *args, timeout=float(timeout), kwargs=kwargs
+                    )
                 )
-            )
+            else:
+                results = [
+                    await utility(
+                        lambda: client.call_utility(
+                            method, *args, timeout=float(timeout), kwargs=kwargs
+                        )
+                    )
+                ]
             if method in ("sleep", "wake_up", "is_sleeping"):
                 # Keep this server's view of the engine in step without waiting for stats.
                 await utility(engine.is_sleeping)  # also records the answer
-            return {"results": [result]}
+            return {"results": results}
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:

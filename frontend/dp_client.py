@@ -1,0 +1,164 @@
+"""DPClient: several engine cores (data parallel) behind one client interface.
+
+`api-server --engine ADDR0,ADDR1,...` attaches to every engine core; each
+new request goes to the least loaded one: the running + waiting requests it
+reported with its last outputs, plus the requests this API server sent it
+since that report (so that a burst between two reports is spread, not
+herded). A request's abort goes to the engine that has it. Utility calls
+(sleep, reset_prefix_cache, profiling, ...) go to every engine.
+
+The engines must serve the same model; the first one's Ready describes
+them, with the KV blocks summed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from frontend.engine_client import AsyncMPClient, EngineDeadError
+from protocol.messages import AddRequest, Ready, RequestDelta, SchedulerStats
+
+
+class DPClient:
+    """The AsyncMPClient interface over several engine cores."""
+
+    def __init__(self, addresses: list[str], curve_dir: str | None = None) -> None:
+        if len(addresses) < 2:
+            raise ValueError("data parallel needs at least two engine addresses")
+        self.address = ",".join(addresses)
+        self.clients = [AsyncMPClient(a, curve_dir=curve_dir) for a in addresses]
+        self.ready: Ready | None = None
+        self._owner: dict[str, int] = {}  # request id -> engine index
+        self._sent_since_stats = [0] * len(addresses)
+        self._stats_seen: list[SchedulerStats | None] = [None] * len(addresses)
+        self.num_routed = [0] * len(addresses)
+
+    async def start(self, timeout: float = 60.0) -> Ready:
+        readies = await asyncio.gather(*(c.start(timeout) for c in self.clients))
+        first = readies[0]
+        for other, client in zip(readies[1:], self.clients[1:], strict=True):
+            if (other.model_name, other.max_model_len, other.vocab_size) != (
+                first.model_name,
+                first.max_model_len,
+                first.vocab_size,
+            ):
+                raise EngineDeadError(
+                    f"the engine core at {client.address} serves {other.model_name} "
+                    f"(max_model_len {other.max_model_len}), not {first.model_name} "
+                    f"(max_model_len {first.max_model_len})"
+                )
+        blocks = sum(r.num_kv_blocks for r in readies)
+        self.ready = msgspec.structs.replace(first, num_kv_blocks=blocks)
+        return self.ready
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def dead(self) -> str | None:
+        """Why serving is impaired: any engine core that is down."""
+        for client in self.clients:
+            if client.dead is not None:
+                return f"{client.address}: {client.dead}"
+        return None
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The engines' stats summed (KV usage averaged)."""
+        all_stats = [c.stats for c in self.clients]
+        total = SchedulerStats(
+            num_running=sum(s.num_running for s in all_stats),
+            num_waiting=sum(s.num_waiting for s in all_stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in all_stats) / len(all_stats),
+            num_preemptions=sum(s.num_preemptions for s in all_stats),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in all_stats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in all_stats),
+        )
+        # Sleep is commanded to all engines together.
+        return msgspec.structs.replace(total, is_sleeping=all_stats[0].is_sleeping)
+
+    @property
+    def last_output_time(self) -> float:
+        return min(c.last_output_time for c in self.clients)
+
+    def load(self, index: int) -> int:
+        """Requests on engine `index`: as it last reported, plus those sent since."""
+        client = self.clients[index]
+        if client.stats is not self._stats_seen[index]:
+            self._stats_seen[index] = client.stats
+            self._sent_since_stats[index] = 0
+        return client.stats.num_running + client.stats.num_waiting + self._sent_since_stats[index]
+
+    # ------------------------------------------------------------ requests
+
+    async def add_request(
+        self, request: AddRequest, handler: Callable[[RequestDelta | None], None]
+    ) -> None:
+        live = [i for i, c in enumerate(self.clients) if c.dead is None]
+        if not live:
+            raise EngineDeadError(self.dead or "no engine core is available")
+        index = min(live, key=self.load)
+        self._owner[request.request_id] = index
+        self._sent_since_stats[index] += 1
+        self.num_routed[index] += 1
+
+        def on_delta(delta: RequestDelta | None) -> None:
+            if delta is None or delta.finish_reason is not None:
+                self._owner.pop(request.request_id, None)
+            handler(delta)
+
+        try:
+            await self.clients[index].add_request(request, on_delta)
+        except BaseException:
+            self._owner.pop(request.request_id, None)
+            raise
+
+    def forget(self, request_id: str) -> None:
+        # The owner stays known: an abort may follow (AsyncLLM forgets, then aborts).
+        index = self._owner.get(request_id)
+        if index is not None:
+            self.clients[index].forget(request_id)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self._owner.pop(request_id, None)
+            if index is not None:
+                by_engine.setdefault(index, []).append(request_id)
+        # One after another, not gathered in new tasks: aborts are sent from
+        # cleanup code of cancelled requests, where a new task would be cancelled too.
+        for index, ids in by_engine.items():
+            await self.clients[index].abort(ids)
+
+    async def call_utility(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float = 30.0,
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Call on every engine; the first engine's result (see call_utility_all)."""
+        results = await self.call_utility_all(method, *args, timeout=timeout, kwargs=kwargs)
+        return results[0]
+
+    async def call_utility_all(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float = 30.0,
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return list(
+            await asyncio.gather(
+                *(
+                    c.call_utility(method, *args, timeout=timeout, kwargs=kwargs)
+                    for c in self.clients
+                )
+            )
+        )
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
