@@ -10,7 +10,8 @@ per layer and per fused projection of the model: q|k|v and gate|up are one
 matmul in the base model, so their adapters are stacked the same way: the
 A matrices of q, k and v side by side along the rank axis and the B
 matrices block-diagonal, one shrink and one expand per fused projection.
-kernels/lora.py runs them for a batch whose tokens each name a slot.
+kernels/lora.py runs them for a batch whose tokens each name a slot (on
+CUDA, kernels/triton_ops/lora.py).
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.model_config import ModelConfig
 from kernels.lora import LoRAGroups, add_lora
+
+if TYPE_CHECKING:
+    from kernels.triton_ops.lora import LoRAIndex
 
 # Fused projection of the model -> the PEFT module names it is made of, in order.
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
@@ -212,10 +217,20 @@ class LoRAStacks:
 
 @dataclass
 class LoRABatch:
-    """What the forward pass needs to add each token's adapter: the slots and the groups."""
+    """What the forward pass needs to add each token's adapter, built once per step.
+
+    The CPU path gives `groups` (the torch op's); the CUDA path gives `index`
+    (the Triton op's tokens sorted by slot) and no groups.
+    """
 
     stacks: LoRAStacks
     groups: LoRAGroups
+    index: LoRAIndex | None = None
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.index is not None:
+            from kernels.triton_ops.lora import add_lora as triton_add_lora
+
+            a_stack, b_stack = self.stacks.stacks[(layer, fused)]
+            return triton_add_lora(out, x, a_stack, b_stack, self.index)
         return self.stacks.apply(layer, fused, x, out, self.groups)

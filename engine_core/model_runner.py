@@ -333,7 +333,12 @@ class ModelRunner:
         hidden = None
         lora = None
         if self.lora_stacks is not None and any(token_slots):
-            lora = LoRABatch(self.lora_stacks, lora_groups(token_slots, device))
+            if self.use_triton:
+                from kernels.triton_ops.lora import lora_index
+
+                lora = LoRABatch(self.lora_stacks, [], lora_index(token_slots, device))
+            else:
+                lora = LoRABatch(self.lora_stacks, lora_groups(token_slots, device))
         if self.graphs is not None and not prefill_rows:
             hidden = self.graphs.run(input_ids, positions, slots, decode_tables, decode_lens)
         if hidden is None:

@@ -1,14 +1,15 @@
 """LoRA on the engine's CUDA path (Triton kernels in the runner), greedy vs HF + PEFT.
 
 Without CUDA the runner is switched to its Triton path by hand and the
-kernels run in Triton's interpreter: the adapters' deltas must land on the
-same projections there as on the CPU path, in a batch that mixes the base
-model with an adapter.
+kernels run in Triton's interpreter: the adapters' deltas (the Triton LoRA
+kernel, kernels/triton_ops/lora.py) must land on the same projections there
+as on the CPU path, in a batch that mixes the base model with an adapter.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine_core.config import EngineConfig  # noqa: E402
 from engine_core.engine import EngineCore  # noqa: E402
+from engine_core.model_runner import ModelRunner  # noqa: E402
+from engine_core.models.llama import LlamaModel  # noqa: E402
 from protocol.messages import AddRequest, LoRARequest  # noqa: E402
 from tests.conftest import build_lora_adapter  # noqa: E402
 from tests.engine_core.helpers import (  # noqa: E402
@@ -33,8 +36,21 @@ MAX_NEW_TOKENS = 5
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def test_triton_runner_lora_matches_hf_peft(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_triton_runner_lora_matches_hf_peft(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from peft import PeftModel
+
+    from kernels.triton_ops import lora as triton_lora
+
+    calls: list[int] = []
+    kernel = triton_lora.add_lora
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_lora, "add_lora", counted)  # the deltas go through the kernel
 
     torch.set_num_threads(NUM_THREADS)
     base = tiny_models["llama"]
@@ -51,8 +67,8 @@ def test_triton_runner_lora_matches_hf_peft(tiny_models: dict[str, Path], tmp_pa
             lora_modules=(("a", str(adapter)),),
         )
     )
-    runner = engine.executor.runner
-    runner.use_triton = runner.model.use_triton = True
+    runner = cast(ModelRunner, engine.executor.runner)
+    runner.use_triton = cast(LlamaModel, runner.model).use_triton = True
     prompts = random_prompts(9, 2, 999, 4, 20)
     requests = [
         AddRequest("base", prompts[0], greedy_params(MAX_NEW_TOKENS), 0.0),
@@ -61,6 +77,7 @@ def test_triton_runner_lora_matches_hf_peft(tiny_models: dict[str, Path], tmp_pa
         ),
     ]
     run = run_to_completion(engine, requests)
+    assert calls, "the Triton path did not run the Triton LoRA kernel"
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     assert run.records["base"].token_ids == hf_greedy(hf, prompts[:1], MAX_NEW_TOKENS)[0]
     peft_model = PeftModel.from_pretrained(hf, adapter).eval()
