@@ -10,7 +10,7 @@ set at the device's measured copy bandwidth (a large device-to-device copy,
 read + write). "of floor" is floor / kernel time: 100% would be a kernel
 that only moves its bytes. The torch path is the engine's own batched torch
 code where it has one (write_kv, decode_attention, per-sequence SDPA
-prefill), else the plain ops the model runs on the CPU.
+prefill, the grouped LoRA matmul of kernels/lora.py), else the plain ops the model runs on the CPU.
 """
 
 from __future__ import annotations
@@ -40,9 +40,13 @@ from engine_core.attention import (  # noqa: E402
     paged_attention,
     write_kv,
 )
+from kernels.lora import add_lora as torch_add_lora  # noqa: E402
+from kernels.lora import lora_groups  # noqa: E402
 from kernels.triton_ops.activation import silu_and_mul  # noqa: E402
 from kernels.triton_ops.cache import reshape_and_cache  # noqa: E402
 from kernels.triton_ops.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.triton_ops.lora import add_lora as triton_add_lora  # noqa: E402
+from kernels.triton_ops.lora import lora_index  # noqa: E402
 from kernels.triton_ops.norm import fused_add_rms_norm  # noqa: E402
 from kernels.triton_ops.prefill_attention import paged_prefill_attention  # noqa: E402
 from kernels.triton_ops.rotary import rotary_embedding  # noqa: E402
@@ -252,6 +256,24 @@ def bench_all(cfg: dict[str, Any], iters: int, bandwidth: float) -> list[Row]:
 
     add("silu_and_mul", f"T={t} I={inter}", silu_and_mul(gu), torch_silu(),
         lambda: silu_and_mul(gu), torch_silu, 3 * t * inter * elt)  # fmt: skip
+
+    # batched LoRA on q|k|v (rank 16 per projection, stacked), 4 adapters + base tokens
+    loras, rank = 4, 16
+    outs = heads * head_dim + 2 * kv_heads * head_dim
+    a = torch.randn(loras + 1, 3 * rank, hidden, dtype=dtype, device=DEVICE) / hidden**0.5
+    b = torch.randn(loras + 1, outs, 3 * rank, dtype=dtype, device=DEVICE) / rank
+    for name, n in (("lora qkv decode", cfg["decode_batch"]), ("lora qkv prefill", t)):
+        token_slots = [i % (loras + 1) for i in range(n)]  # a fifth of the tokens on no adapter
+        x = torch.randn(n, hidden, dtype=dtype, device=DEVICE)
+        y = torch.randn(n, outs, dtype=dtype, device=DEVICE)
+        groups, index = lora_groups(token_slots, DEVICE), lora_index(token_slots, DEVICE)
+        y1, y2 = y.clone(), y.clone()
+        n_lora = sum(1 for s in token_slots if s)
+        add(name, f"T={n} r={rank}x3 N={outs}",
+            triton_add_lora(y.clone(), x, a, b, index), torch_add_lora(y.clone(), x, a, b, groups),
+            lambda x=x, y1=y1, index=index: triton_add_lora(y1, x, a, b, index),
+            lambda x=x, y2=y2, groups=groups: torch_add_lora(y2, x, a, b, groups),
+            (n_lora * (hidden + 2 * outs) + loras * 3 * rank * (hidden + outs)) * elt)  # fmt: skip
     return rows
 
 
