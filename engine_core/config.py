@@ -31,6 +31,9 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     # A request not yet scheduled after this many seconds is failed (None: no limit).
     max_queue_wait_s: float | None = None
+    # A structured-output grammar still compiling after this long fails its
+    # request (a 400): schemas built to blow up compilation get a bounded answer.
+    grammar_compile_timeout_s: float = 20.0
     sleep_offload_dir: str | None = None  # level-1 sleep spills CPU weights here
     # auto | generate | pooling (vLLM's --runner): "pooling" serves a decoder's
     # embeddings (last-token pooling) instead of generating.
@@ -56,3 +59,5 @@ class EngineConfig:
             raise ValueError("max_waiting_requests must be at least 0")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
             raise ValueError("max_queue_wait must be positive")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout must be positive")

@@ -38,6 +38,9 @@ class APIError(Exception):
         err_type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # A message may quote the request (a model name, say): keep it
+        # encodable as UTF-8 even when the request held lone surrogates.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.headers = headers
         self.status = status
@@ -96,6 +99,14 @@ def validation_api_error(exc: ValidationError) -> APIError:
     return APIError(400, _short(f"{loc or 'body'}: {msg}"), loc)
 
 
+async def read_json(request: Request) -> Any:
+    """The request body as JSON; a 400 when it is not JSON or nests too deep to parse."""
+    try:
+        return await request.json()
+    except (ValueError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON") from None
+
+
 def error_json(err: APIError) -> str:
     return json.dumps(err.body())
 
@@ -121,6 +132,12 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         return error_response(request, APIError(400, _short(message), param))
+
+    @app.exception_handler(ValidationError)
+    async def _inner_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        # A model a handler builds from request fields (a chat request made
+        # from /tokenize's messages, say) is still the client's input.
+        return error_response(request, validation_api_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
