@@ -187,3 +187,30 @@ def test_valid_surrogate_pair_is_served(server: Server) -> None:
         timeout=60,
     )
     assert r.status_code == 200, r.text[:200]
+
+
+def test_grammar_compile_blowup_is_a_bounded_400(tmp_path: Any) -> None:
+    """A schema that takes about a minute to compile gets a 400 after the timeout."""
+    from tests.frontend.conftest import ENGINE_FLAGS
+    from tests.frontend.servers import private_server
+
+    props = {
+        f"p{i}": {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "[a-z]{1,50}"}]}
+        for i in range(400)
+    }
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    flags = (*ENGINE_FLAGS, "--grammar-compile-timeout", "2")
+    with private_server(tmp_path, flags, name="grammar") as base:
+        start = time.monotonic()
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2, "structured_outputs": {"json": schema}},
+            timeout=60,
+        )
+        elapsed = time.monotonic() - start
+        assert r.status_code == 400, r.text[:300]
+        assert "did not compile within 2 s" in r.json()["error"]["message"]
+        assert elapsed < 10
+        # Unconstrained requests are served meanwhile.
+        r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
