@@ -75,6 +75,32 @@ MAX_RPC_TIMEOUT_S = 600.0
 # HTTP status of a failed engine utility call, by UtilityError.kind.
 _UTILITY_STATUS = {"unknown_method": 400, "invalid": 400, "busy": 409, "failed": 500}
 
+_CHAT_REF = {"$ref": "#/components/schemas/ChatCompletionRequest"}
+_BATCH_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"requests": {"type": "array", "items": _CHAT_REF}},
+                    "required": ["requests"],
+                }
+            }
+        },
+    }
+}
+_INVOCATIONS_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"anyOf": [_CHAT_REF, {"$ref": "#/components/schemas/CompletionRequest"}]}
+            }
+        },
+    }
+}
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -285,7 +311,8 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
         return await generating(lambda: chat.create(body, request))
 
-    @app.post("/v1/chat/completions/batch")
+    # These two read their bodies themselves; the schema still says what they take.
+    @app.post("/v1/chat/completions/batch", openapi_extra=_BATCH_BODY)
     async def create_chat_batch(request: Request) -> Any:
         """A list of chat requests, answered in order; one failure fails only itself."""
         if "generate" not in tasks:
@@ -319,7 +346,7 @@ def build_app(
     async def load() -> dict[str, int]:
         return {"server_load": in_flight["count"]}
 
-    @app.post("/invocations")
+    @app.post("/invocations", openapi_extra=_INVOCATIONS_BODY)
     async def invocations(request: Request) -> Any:
         """SageMaker: dispatch by the body's shape to chat or completions."""
         body = await read_json(request)

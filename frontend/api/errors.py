@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from protocol.sampling_params import SamplingParamsError
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -138,6 +140,12 @@ def install_error_handlers(app: FastAPI) -> None:
         # A model a handler builds from request fields (a chat request made
         # from /tokenize's messages, say) is still the client's input.
         return error_response(request, validation_api_error(exc))
+
+    @app.exception_handler(SamplingParamsError)
+    async def _params(request: Request, exc: SamplingParamsError) -> JSONResponse:
+        # Raised by prompt and parameter checks in routes that do not map errors
+        # themselves (the render and tokenize routes).
+        return error_response(request, APIError(400, _short(str(exc)), exc.param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
