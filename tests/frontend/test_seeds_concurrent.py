@@ -36,7 +36,8 @@ async def _complete(client: httpx.AsyncClient, i: int) -> dict[str, Any]:
 def test_64_concurrent_seeds_reproduce_alone(server: Server) -> None:
     async def run() -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300, limits=limits) as client:
+        base = server.base_url
+        async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
             together = await asyncio.gather(*(_complete(client, i) for i in range(64)))
             alone = {i: await _complete(client, i) for i in _RERUN}
         return list(together), alone
