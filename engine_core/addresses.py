@@ -32,3 +32,11 @@ def default_ipc_address() -> str:
     )
     os.chmod(directory, 0o700)
     return f"ipc://{directory}/engine"
+
+
+def is_unprotected_tcp(base: str) -> bool:
+    """A tcp address reachable beyond this host: its sockets have no authentication."""
+    if not base.startswith("tcp://"):
+        return False
+    host = base[len("tcp://") :].rpartition(":")[0].strip("[]")
+    return host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.")

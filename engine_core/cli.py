@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from engine_core.addresses import default_ipc_address, split_address
+from engine_core.addresses import default_ipc_address, is_unprotected_tcp, split_address
 from engine_core.args import add_engine_args, engine_config_from_args
 
 
@@ -31,6 +31,15 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config_from_args(ns)
     except ValueError as e:
         parser.error(str(e))
+
+    if is_unprotected_tcp(address):
+        # No CURVE yet: anyone who reaches these ports can submit requests and
+        # read every client's outputs (docs/security.md).
+        log.warning(
+            "%s is not loopback and ZeroMQ sockets here carry no authentication or "
+            "encryption: bind to 127.0.0.1 or a network only the API servers can reach",
+            address,
+        )
 
     from engine_core.engine import EngineCore
     from engine_core.model_config import ModelLoadError
