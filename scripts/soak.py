@@ -261,6 +261,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--cancel-fraction", type=float, default=0.3)
     parser.add_argument("--rss-tolerance", type=float, default=0.10)
+    parser.add_argument(
+        "--warmup", type=int, default=64, help="requests before the RSS baseline is taken"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--serve-args",
@@ -281,6 +284,7 @@ def main() -> int:
         concurrency=args.concurrency,
         cancel_fraction=args.cancel_fraction,
         rss_tolerance=args.rss_tolerance,
+        warmup_requests=args.warmup,
         seed=args.seed,
     )
     try:
