@@ -61,6 +61,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="refuse new requests (503 + Retry-After) while this many wait to be scheduled",
     )
     g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="fail (400) a request whose structured-output grammar is not compiled by then",
+    )
+    g.add_argument(
         "--max-queue-wait",
         type=float,
         default=None,
@@ -122,6 +129,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         profiler_dir=ns.profiler_dir,
         max_waiting_requests=ns.max_waiting_requests,
         max_queue_wait_s=ns.max_queue_wait,
+        grammar_compile_timeout_s=ns.grammar_compile_timeout,
         sleep_offload_dir=ns.sleep_offload_dir,
         runner=ns.runner,
         enforce_eager=ns.enforce_eager,

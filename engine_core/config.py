@@ -31,6 +31,9 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     # A request not yet scheduled after this many seconds is failed (None: no limit).
     max_queue_wait_s: float | None = None
+    # A structured-output grammar still compiling after this long fails its
+    # request (a 400): schemas built to blow up compilation get a bounded answer.
+    grammar_compile_timeout_s: float = 20.0
     sleep_offload_dir: str | None = None  # level-1 sleep spills CPU weights here
     # auto | generate | pooling (vLLM's --runner): "pooling" serves a decoder's
     # embeddings (last-token pooling) instead of generating.
@@ -68,3 +71,5 @@ class EngineConfig:
             raise ValueError("max_lora_rank must be at least 1")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules need enable_lora")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout must be positive")

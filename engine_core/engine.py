@@ -90,6 +90,8 @@ class EngineCore:
             list(self.model_config.eos_token_ids),
         )  # compiles nothing until a constrained request comes
         self._compiling: dict[str, Request] = {}
+        # When each request in _compiling must have its grammar (monotonic time).
+        self._compile_deadline: dict[str, float] = {}
         self.info = EngineInfo(
             model_name=name,
             model_path=model_path,
@@ -203,6 +205,9 @@ class EngineCore:
         if constraint is not None and msg.pooling_params is None:
             request.grammar = self.structured_output.compile_async(constraint)
             self._compiling[request.request_id] = request
+            self._compile_deadline[request.request_id] = (
+                time.monotonic() + self.config.grammar_compile_timeout_s
+            )
         self.scheduler.add_request(request)
         return None
 
@@ -287,15 +292,26 @@ class EngineCore:
     def _reap_grammars(self) -> list[tuple[Request, RequestDelta]]:
         """Forget compiled grammars' requests; fail those whose grammar did not compile."""
         failed: list[tuple[Request, RequestDelta]] = []
+        now = time.monotonic()
         for request_id, request in list(self._compiling.items()):
             grammar = request.grammar
+            deadline = self._compile_deadline.get(request_id, now)
             if request.is_finished or grammar is None:
                 del self._compiling[request_id]
+                self._compile_deadline.pop(request_id, None)
                 continue
+            error: BaseException | str | None
             if not grammar.done():
-                continue
+                if now < deadline:
+                    continue
+                # xgrammar cannot be interrupted: the compile runs on in its
+                # thread (and is cached if it ends), but the client gets an answer.
+                timeout = self.config.grammar_compile_timeout_s
+                error = f"the structured output constraint did not compile within {timeout:g} s"
+            else:
+                error = grammar.exception()
             del self._compiling[request_id]
-            error = grammar.exception()
+            self._compile_deadline.pop(request_id, None)
             if error is None:
                 continue
             self.scheduler.finish_requests([request_id], "error")

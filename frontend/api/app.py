@@ -21,11 +21,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from frontend.api.body_guard import BodyGuard
 from frontend.api.common import as_api_error, now, unavailable
 from frontend.api.errors import (
     APIError,
     error_response,
     install_error_handlers,
+    read_json,
     validation_api_error,
 )
 from frontend.api.mcp_tools import ToolServer
@@ -84,6 +86,32 @@ _UTILITY_STATUS = {
     "failed": 500,
 }
 
+_CHAT_REF = {"$ref": "#/components/schemas/ChatCompletionRequest"}
+_BATCH_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"requests": {"type": "array", "items": _CHAT_REF}},
+                    "required": ["requests"],
+                }
+            }
+        },
+    }
+}
+_INVOCATIONS_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"anyOf": [_CHAT_REF, {"$ref": "#/components/schemas/CompletionRequest"}]}
+            }
+        },
+    }
+}
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -115,6 +143,8 @@ def build_app(
     """The API server's routes; `tool_servers` are the resolved --tool-server MCP servers."""
     app = FastAPI(title="Pagoda", version=VERSION)
     install_error_handlers(app)
+    # Innermost middleware: runs after auth, before any route parses the body.
+    app.add_middleware(BodyGuard, max_bytes=config.max_request_body_bytes)
     served = [config.served_model_name or engine.model_name]
     completions = CompletionServer(engine, served)
     chat = ChatServer(engine, served, config.tool_call_parser)
@@ -303,15 +333,13 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
         return await generating(lambda: chat.create(body, request))
 
-    @app.post("/v1/chat/completions/batch")
+    # These two read their bodies themselves; the schema still says what they take.
+    @app.post("/v1/chat/completions/batch", openapi_extra=_BATCH_BODY)
     async def create_chat_batch(request: Request) -> Any:
         """A list of chat requests, answered in order; one failure fails only itself."""
         if "generate" not in tasks:
             raise unsupported("generate")
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
+        body = await read_json(request)
         items = body.get("requests") if isinstance(body, dict) else body
         if not isinstance(items, list) or not items:
             raise APIError(400, "expected a non-empty list of chat requests", "requests")
@@ -340,13 +368,10 @@ def build_app(
     async def load() -> dict[str, int]:
         return {"server_load": in_flight["count"]}
 
-    @app.post("/invocations")
+    @app.post("/invocations", openapi_extra=_INVOCATIONS_BODY)
     async def invocations(request: Request) -> Any:
         """SageMaker: dispatch by the body's shape to chat or completions."""
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
+        body = await read_json(request)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
@@ -431,10 +456,7 @@ def build_app(
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request) -> dict[str, Any]:
             """{method, args, kwargs, timeout} → {"results": [one per engine core]}."""
-            try:
-                body = await request.json()
-            except ValueError:
-                raise APIError(400, "the request body is not valid JSON") from None
+            body = await read_json(request)
             if not isinstance(body, dict) or not isinstance(body.get("method"), str):
                 raise APIError(400, "expected an object with a string `method`", "method")
             method = body["method"]

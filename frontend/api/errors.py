@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from protocol.sampling_params import SamplingParamsError
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -45,9 +47,9 @@ class APIError(Exception):
         err_type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        # A message may quote the request (a model name, a field): lone surrogates
-        # in it could not be encoded as UTF-8 in the response.
-        message = _printable(message)
+        # A message may quote the request (a model name, say): keep it
+        # encodable as UTF-8 even when the request held lone surrogates.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.headers = headers
         self.status = status
@@ -106,6 +108,14 @@ def validation_api_error(exc: ValidationError) -> APIError:
     return APIError(400, _short(f"{loc or 'body'}: {msg}"), loc)
 
 
+async def read_json(request: Request) -> Any:
+    """The request body as JSON; a 400 when it is not JSON or nests too deep to parse."""
+    try:
+        return await request.json()
+    except (ValueError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON") from None
+
+
 def error_json(err: APIError) -> str:
     return json.dumps(err.body())
 
@@ -131,6 +141,18 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         return error_response(request, APIError(400, _short(message), param))
+
+    @app.exception_handler(ValidationError)
+    async def _inner_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        # A model a handler builds from request fields (a chat request made
+        # from /tokenize's messages, say) is still the client's input.
+        return error_response(request, validation_api_error(exc))
+
+    @app.exception_handler(SamplingParamsError)
+    async def _params(request: Request, exc: SamplingParamsError) -> JSONResponse:
+        # Raised by prompt and parameter checks in routes that do not map errors
+        # themselves (the render and tokenize routes).
+        return error_response(request, APIError(400, _short(str(exc)), exc.param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
