@@ -267,14 +267,20 @@ def build_app(
     in_flight = {"count": 0}
     app.state.draining = False
 
-    async def counted(work: Callable[[], Awaitable[Any]]) -> Any:
+    async def counted(
+        work: Callable[[], Awaitable[Any]],
+        shape: Callable[[APIError], Response] = APIError.response,
+    ) -> Any:
         # GET /load reports this (vLLM's server load tracking); a streamed
-        # response counts until its last event is sent.
+        # response counts until its last event is sent. `shape` renders a
+        # refusal in the route's own error format.
         limit = config.max_inflight_requests
         if limit is not None and in_flight["count"] >= limit:
-            return unavailable(
-                f"the server is overloaded: {limit} requests are in flight; retry later"
-            ).response()
+            return shape(
+                unavailable(
+                    f"the server is overloaded: {limit} requests are in flight; retry later"
+                )
+            )
         in_flight["count"] += 1
         handed_off = False
         try:
@@ -394,7 +400,7 @@ def build_app(
     if engine.ready.enable_lora:
         app.include_router(build_lora_router(engine, served))
     if "generate" in tasks:
-        app.include_router(build_anthropic_router(engine, served, chat))
+        app.include_router(build_anthropic_router(engine, served, chat, counted))
         app.include_router(build_responses_router(engine, served, chat, generating, tool_servers))
     if pooling is not None:
         app.include_router(build_pooling_router(pooling, counted))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -261,8 +261,17 @@ class BlockBuilder:
         self.events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
 
 
-def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRouter:
+def build_router(
+    engine: AsyncLLM,
+    served: list[str],
+    chat: ChatServer,
+    counted: Callable[..., Awaitable[Any]],
+) -> APIRouter:
+    """Anthropic's routes; `counted` tracks in-flight generation requests (GET /load)."""
     router = APIRouter()
+
+    def anthropic_response(err: APIError) -> JSONResponse:
+        return JSONResponse(anthropic_error_body(err), status_code=err.status, headers=err.headers)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest) -> Any:
@@ -276,13 +285,13 @@ def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRo
 
     @router.post("/v1/messages")
     async def messages(req: MessagesRequest, raw: Request) -> Any:
-        try:
-            return await _create(req, raw)
-        except Exception as e:  # noqa: BLE001 - every failure in Anthropic's shape
-            err = as_api_error(e)
-            return JSONResponse(
-                anthropic_error_body(err), status_code=err.status, headers=err.headers
-            )
+        async def create() -> Any:
+            try:
+                return await _create(req, raw)
+            except Exception as e:  # noqa: BLE001 - every failure in Anthropic's shape
+                return anthropic_response(as_api_error(e))
+
+        return await counted(create, anthropic_response)
 
     async def _create(req: MessagesRequest, raw: Request) -> Any:
         model = check_model(engine, served, req.model)

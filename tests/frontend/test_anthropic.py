@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import httpx
 import jsonschema
@@ -192,3 +194,17 @@ def test_bad_tools_are_400(server: Server, extra: dict) -> None:
     r = httpx.post(server.base_url + "/v1/messages", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error"
+
+
+def test_messages_count_in_server_load(server: Server) -> None:
+    story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    body = {"model": MODEL_NAME, "max_tokens": 400, "messages": story, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/messages", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator would close the stream
+        next(lines)
+        assert httpx.get(server.base_url + "/load", timeout=10).json()["server_load"] >= 1
+    # The client went away mid-stream: the request counts itself out.
+    deadline = time.monotonic() + 5
+    while httpx.get(server.base_url + "/load", timeout=10).json()["server_load"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
