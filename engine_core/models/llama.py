@@ -169,7 +169,6 @@ class LlamaModel:
                 input_ids, positions, cast("TritonAttentionMetadata", meta), kv_caches, lora
             )
         assert isinstance(meta, AttentionMetadata)
-        cfg = self.config
         hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
         sin = self.rope_sin[positions][:, None, :]
@@ -177,14 +176,7 @@ class LlamaModel:
         x = self._rms_norm(residual, self.layers[0].input_layernorm)
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = self._rms_norm(q, layer.q_norm)
-                k = self._rms_norm(k, layer.k_norm)
+            q, k, v = self._qkv(layer, x, lora, i)
             q = _apply_rope(q, cos, sin)
             k = _apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
@@ -198,6 +190,21 @@ class LlamaModel:
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
             x, residual = self._add_rms_norm(mlp, residual, next_norm)
         return x
+
+    def _qkv(
+        self, layer: DecoderLayer, x: torch.Tensor, lora: LoRABatch | None, i: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, d], k and v [T, kv_heads, d]: views of one fused projection."""
+        cfg = self.config
+        qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = self._rms_norm(q, layer.q_norm)
+            k = self._rms_norm(k, layer.k_norm)
+        return q, k, v
 
     def _forward_triton(
         self,
@@ -219,14 +226,7 @@ class LlamaModel:
         x = rms_norm(residual, self.layers[0].input_layernorm, eps)
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = self._rms_norm(q, layer.q_norm)
-                k = self._rms_norm(k, layer.k_norm)
+            q, k, v = self._qkv(layer, x, lora, i)
             # In place on the (strided) views of qkv; the kernels take the strides.
             rotary_embedding(positions, q, k, self.rope_cos, self.rope_sin, is_neox=True)
             attn = triton_paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
