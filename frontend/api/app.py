@@ -437,7 +437,7 @@ def build_app(
             raise APIError(504, "the engine core did not answer in time") from None
 
     @app.post("/reset_prefix_cache")
-    @app.post("/reset-prefix-cache")
+    @app.post("/reset-prefix-cache", include_in_schema=False)  # alias
     async def reset_prefix_cache() -> Response:
         await utility(engine.reset_prefix_cache)
         return Response(status_code=200)
@@ -451,7 +451,7 @@ def build_app(
         return Response(status_code=200)
 
     @app.post("/wake_up")
-    @app.post("/wake-up")
+    @app.post("/wake-up", include_in_schema=False)  # alias of /wake_up
     async def wake_up(request: Request) -> Response:
         tags = request.query_params.getlist("tags") or None
         await utility(lambda: engine.wake_up(tags))
@@ -509,13 +509,13 @@ def build_app(
         return {"is_sleeping": await utility(engine.is_sleeping)}
 
     @app.post("/start_profile")
-    @app.post("/start-profile")
+    @app.post("/start-profile", include_in_schema=False)  # alias
     async def start_profile() -> Response:
         await utility(engine.start_profile)
         return Response(status_code=200)
 
     @app.post("/stop_profile")
-    @app.post("/stop-profile")
+    @app.post("/stop-profile", include_in_schema=False)  # alias
     async def stop_profile() -> dict[str, str]:
         return {"trace": await utility(engine.stop_profile)}
 

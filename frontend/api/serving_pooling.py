@@ -120,43 +120,40 @@ class PoolingServer:
         return data
 
     async def embeddings(self, req: EmbeddingRequest, request: Request) -> dict[str, Any]:
-        model = check_model(self.engine, self.served, req.model)
-        if req.dimensions is not None:
-            raise APIError(
-                400,
-                f"The model `{model}` does not support matryoshka representation; "
-                "dimensions cannot be set",
-                "dimensions",
-            )
-        prompts = prompts_of(req.input)
-        params = PoolingParams(normalize=req.normalize)
-        outputs = await unless_disconnected(
-            request, self.pool(prompts, "embd", params, req.truncate_prompt_tokens, req.priority)
+        no_dimensions = (
+            "The model `{model}` does not support matryoshka representation; "
+            "dimensions cannot be set"
         )
-        return {
-            "id": new_id("embd"),
-            "object": "list",
-            "created": now(),
-            "model": model,
-            "data": self._vectors(outputs, req.encoding_format, "embedding", "embedding"),
-            "usage": usage(outputs),
-        }
+        return await self._encode(req, request, "embd", "embedding", "embedding", no_dimensions)
 
     async def pooling(self, req: EmbeddingRequest, request: Request) -> dict[str, Any]:
+        no_dimensions = "dimensions cannot be set for /pooling"
+        return await self._encode(req, request, "pool", "pooling", "data", no_dimensions)
+
+    async def _encode(
+        self,
+        req: EmbeddingRequest,
+        request: Request,
+        prefix: str,
+        kind: str,
+        key: str,
+        no_dimensions: str,
+    ) -> dict[str, Any]:
+        """One vector per input: the shared body of /v1/embeddings and /pooling."""
         model = check_model(self.engine, self.served, req.model)
         if req.dimensions is not None:
-            raise APIError(400, "dimensions cannot be set for /pooling", "dimensions")
+            raise APIError(400, no_dimensions.format(model=model), "dimensions")
         prompts = prompts_of(req.input)
         params = PoolingParams(normalize=req.normalize)
         outputs = await unless_disconnected(
-            request, self.pool(prompts, "pool", params, req.truncate_prompt_tokens, req.priority)
+            request, self.pool(prompts, prefix, params, req.truncate_prompt_tokens, req.priority)
         )
         return {
-            "id": new_id("pool"),
+            "id": new_id(prefix),
             "object": "list",
             "created": now(),
             "model": model,
-            "data": self._vectors(outputs, req.encoding_format, "pooling", "data"),
+            "data": self._vectors(outputs, req.encoding_format, kind, key),
             "usage": usage(outputs),
         }
 

@@ -98,6 +98,23 @@ def index_from_groups(groups: LoRAGroups, num_tokens: int, device: torch.device)
 
 
 @triton.jit
+def _group_tile(index_ptr, starts_offset, slots_offset, group, tile, BLOCK_M: tl.constexpr):
+    """One BLOCK_M tile of an adapter group: (live, slot, rows, row mask, token ids).
+
+    `live` is False for the tiles past the group's end (the grid is sized for the
+    largest group); their loads are all masked off.
+    """
+    start = tl.load(index_ptr + starts_offset + group)
+    end = tl.load(index_ptr + starts_offset + group + 1)
+    first = start + tile * BLOCK_M
+    slot = tl.load(index_ptr + slots_offset + group).to(tl.int64)
+    m = first + tl.arange(0, BLOCK_M)
+    m_ok = m < end
+    tok = tl.load(index_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    return first < end, slot, m, m_ok, tok
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,
     a_ptr,
@@ -122,14 +139,10 @@ def _shrink_kernel(
     tile = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
-    start = tl.load(index_ptr + starts_offset + group)
-    end = tl.load(index_ptr + starts_offset + group + 1)
-    first = start + tile * BLOCK_M
-    if first < end:
-        slot = tl.load(index_ptr + slots_offset + group).to(tl.int64)
-        m = first + tl.arange(0, BLOCK_M)
-        m_ok = m < end
-        tok = tl.load(index_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    live, slot, m, m_ok, tok = _group_tile(
+        index_ptr, starts_offset, slots_offset, group, tile, BLOCK_M
+    )
+    if live:
         r = tl.arange(0, BLOCK_R)
         r_ok = r < rank
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -178,14 +191,10 @@ def _expand_kernel(
     tile = tl.program_id(0)
     n_tile = tl.program_id(1)
     group = tl.program_id(2)
-    start = tl.load(index_ptr + starts_offset + group)
-    end = tl.load(index_ptr + starts_offset + group + 1)
-    first = start + tile * BLOCK_M
-    if first < end:
-        slot = tl.load(index_ptr + slots_offset + group).to(tl.int64)
-        m = first + tl.arange(0, BLOCK_M)
-        m_ok = m < end
-        tok = tl.load(index_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    live, slot, m, m_ok, tok = _group_tile(
+        index_ptr, starts_offset, slots_offset, group, tile, BLOCK_M
+    )
+    if live:
         r = tl.arange(0, BLOCK_R)
         r_ok = r < rank
         mr_ok = m_ok[:, None] & r_ok[None, :]

@@ -45,7 +45,7 @@ def clamp(body: Any, model: str | None = None, path: str = "") -> Any:
                 clamp(item, model, "/v1/chat/completions")
         # An absent budget means "up to the context length": seconds per request.
         budget = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
-        if path != "/v1/messages" and not any(body.get(f) is not None for f in _BUDGET_FIELDS):
+        if path != "/v1/messages" and not any(body.get(f) is not None for f in _BUDGET_FIELDS[:3]):
             body[budget] = 8
         for name in _BUDGET_FIELDS:
             if isinstance(body.get(name), int) and not isinstance(body[name], bool):
