@@ -113,16 +113,15 @@ def fuzz_operation(
         try:
             response = client.request(case.method, case.formatted_path, **kwargs)
         except httpx.TimeoutException:
-            result.problems.append(
-                f"{json.dumps(body, default=str)[:300]} -> no answer in {timeout} s"
-            )
+            # The whole body: the interesting field may be anywhere in it.
+            result.problems.append(f"{json.dumps(body, default=str)} -> no answer in {timeout} s")
             return
         result.statuses[response.status_code] = result.statuses.get(response.status_code, 0) + 1
         if response.status_code >= 500:
             result.server_errors += 1
         problem = shape_problem(op.path, response.status_code, response.content)
         if problem is not None:
-            result.problems.append(f"{json.dumps(body, default=str)[:300]} -> {problem}")
+            result.problems.append(f"{json.dumps(body, default=str)} -> {problem}")
 
     start = time.monotonic()
     try:
