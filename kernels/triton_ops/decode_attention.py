@@ -23,12 +23,13 @@ import triton
 import triton.language as tl
 
 from kernels.triton_ops._common import (
+    attention_out,
     check_device,
-    check_float,
     check_index,
-    check_last_dim_contiguous,
+    check_paged_attention,
     dot_precision,
     interpreting,
+    key_tile,
     next_pow2,
 )
 from kernels.triton_ops._tl import mma
@@ -202,37 +203,19 @@ def paged_decode_attention(
     64 on CUDA, 32 in the interpreter, so that tiles there span blocks of 16.
     """
     name = "paged_decode_attention"
-    if query.dim() != 3:
-        raise ValueError(f"{name}: query must be [batch, heads, head_dim]")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError(
-            f"{name}: caches must be [num_blocks, block_size, kv_heads, head_dim] with one layout"
-        )
+    block_size, kv_heads, dtype = check_paged_attention(name, query, k_cache, v_cache, "batch")
     batch, heads, head_dim = query.shape
-    _, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"{name}: query head_dim {head_dim} != cache head_dim {cache_dim}")
-    if heads % kv_heads != 0:
-        raise ValueError(f"{name}: {heads} query heads not a multiple of {kv_heads} kv heads")
     check_index(name, "block_tables", block_tables, 2)
     check_index(name, "seq_lens", seq_lens, 1)
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
         raise ValueError(f"{name}: block_tables / seq_lens do not match batch {batch}")
     if block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
         raise ValueError(f"{name}: block_tables rows and seq_lens must be contiguous")
-    dtype = check_float(name, query, k_cache, v_cache)
     check_device(name, query, k_cache, v_cache, block_tables, seq_lens)
-    check_last_dim_contiguous(name, "query", query)
-    check_last_dim_contiguous(name, "k_cache", k_cache)
-    tile = tile_size or (64 if query.device.type == "cuda" else 32)
-    if tile < 16 or tile & (tile - 1):
-        raise ValueError(f"{name}: tile_size must be a power of two >= 16, got {tile}")
+    tile = key_tile(name, tile_size, query.device)
     if partition_size % tile:
         raise ValueError(f"{name}: partition_size must be a multiple of tile_size {tile}")
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.dtype != dtype or out.stride(-1) != 1:
-        raise ValueError(f"{name}: out must match query's shape and dtype")
+    out = attention_out(name, query, out, dtype)
     if batch == 0:
         return out
 

@@ -20,12 +20,13 @@ import triton
 import triton.language as tl
 
 from kernels.triton_ops._common import (
+    attention_out,
     check_device,
-    check_float,
     check_index,
-    check_last_dim_contiguous,
+    check_paged_attention,
     dot_precision,
     interpreting,
+    key_tile,
     next_pow2,
 )
 from kernels.triton_ops._tl import mma
@@ -146,18 +147,8 @@ def paged_prefill_attention(
     size), 64 on CUDA, 32 in the interpreter.
     """
     name = "paged_prefill_attention"
-    if query.dim() != 3:
-        raise ValueError(f"{name}: query must be [num_tokens, heads, head_dim]")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError(
-            f"{name}: caches must be [num_blocks, block_size, kv_heads, head_dim] with one layout"
-        )
+    block_size, kv_heads, dtype = check_paged_attention(name, query, k_cache, v_cache, "num_tokens")
     _, heads, head_dim = query.shape
-    _, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"{name}: query head_dim {head_dim} != cache head_dim {cache_dim}")
-    if heads % kv_heads != 0:
-        raise ValueError(f"{name}: {heads} query heads not a multiple of {kv_heads} kv heads")
     check_index(name, "block_tables", block_tables, 2)
     check_index(name, "cu_seqlens_q", cu_seqlens_q, 1)
     check_index(name, "seq_lens", seq_lens, 1)
@@ -168,20 +159,12 @@ def paged_prefill_attention(
         cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()
     ):
         raise ValueError(f"{name}: block_tables rows, cu_seqlens_q and seq_lens must be contiguous")
-    dtype = check_float(name, query, k_cache, v_cache)
     check_device(name, query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
-    check_last_dim_contiguous(name, "query", query)
-    check_last_dim_contiguous(name, "k_cache", k_cache)
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.dtype != dtype or out.stride(-1) != 1:
-        raise ValueError(f"{name}: out must match query's shape and dtype")
+    tile = key_tile(name, tile_size, query.device)
+    out = attention_out(name, query, out, dtype)
     if num_seqs == 0 or max_query_len <= 0:
         return out
 
-    tile = tile_size or (64 if query.device.type == "cuda" else 32)
-    if tile < 16 or tile & (tile - 1):
-        raise ValueError(f"{name}: tile_size must be a power of two >= 16, got {tile}")
     group = heads // kv_heads
     if block_m is None:
         block_m = 64 if query.device.type == "cuda" else 16
