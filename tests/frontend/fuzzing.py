@@ -47,11 +47,14 @@ def clamp(body: Any, model: str | None = None, path: str = "") -> Any:
         budget = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
         if path != "/v1/messages" and not any(body.get(f) is not None for f in _BUDGET_FIELDS[:3]):
             body[budget] = 8
+        # Integral floats (924.0) count too: the routes accept them as ints.
         for name in _BUDGET_FIELDS:
-            if isinstance(body.get(name), int) and not isinstance(body[name], bool):
-                body[name] = max(-1, min(body[name], 8))
-        if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
-            body["n"] = min(body["n"], 2)
+            value = body.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                body[name] = type(value)(max(-1, min(value, 8)))
+        n = body.get("n")
+        if isinstance(n, int | float) and not isinstance(n, bool):
+            body["n"] = type(n)(min(n, 2))
     return body
 
 
