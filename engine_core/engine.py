@@ -8,7 +8,6 @@ client of the offline SDK both drive this class.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from concurrent.futures import wait
@@ -17,6 +16,7 @@ from typing import Any, cast
 
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
+from engine_core.engine_utilities import EngineUtilities
 from engine_core.executor import InProcessExecutor
 from engine_core.lora_manager import LoRAManager, LoRARunner
 from engine_core.model_config import (
@@ -34,12 +34,6 @@ from protocol.messages import PROTOCOL_VERSION, AddRequest, Ready, RequestDelta,
 
 logger = logging.getLogger(__name__)
 
-SLEEP_TAGS = ("weights", "kv_cache")
-
-
-class EngineBusyError(ValueError):
-    """A control call refused because requests are in flight."""
-
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -55,8 +49,8 @@ class EngineInfo:
     supported_tasks: tuple[str, ...] = ("generate",)
 
 
-class EngineCore:
-    """One engine: add requests, step, read deltas."""
+class EngineCore(EngineUtilities):
+    """One engine: add requests, step, read deltas; control calls in EngineUtilities."""
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.monotonic()
@@ -344,118 +338,3 @@ class EngineCore:
         stats = self.scheduler.stats()
         stats.is_sleeping = bool(self._asleep)
         return stats
-
-    # -------------------------------------------------------------- utilities
-
-    def reset_prefix_cache(self) -> bool:
-        self.scheduler.block_manager.reset_prefix_cache()
-        return True
-
-    def start_profile(self) -> bool:
-        """Start a torch.profiler trace of the engine's steps."""
-        if self.config.profiler_dir is None:
-            raise ValueError("profiling is off: start the engine with --profiler-dir DIR")
-        if self._profiler is not None:
-            raise ValueError("a profile is already running")
-        import torch.profiler
-
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.executor.runner.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-        self._profiler.start()
-        return True
-
-    def stop_profile(self) -> str:
-        """Stop the trace; returns the path of the Chrome/Perfetto trace file."""
-        if self._profiler is None:
-            raise ValueError("no profile is running")
-        profiler, self._profiler = self._profiler, None
-        profiler.stop()
-        assert self.config.profiler_dir is not None
-        os.makedirs(self.config.profiler_dir, exist_ok=True)
-        path = os.path.join(
-            self.config.profiler_dir, f"pagoda-engine-{self.engine_id}-{int(time.time())}.json"
-        )
-        profiler.export_chrome_trace(path)
-        return path
-
-    def sleep(self, level: int = 1) -> bool:
-        """Free the KV cache and park (1) or drop (2) the weights; refused mid-request."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        busy = self.scheduler.num_unfinished + len(self._compiling)
-        if busy:
-            raise EngineBusyError(
-                f"{busy} requests are in flight; sleep is refused until they finish or are aborted"
-            )
-        started = time.monotonic()
-        # The cached prefixes live in the KV cache about to be freed.
-        self.scheduler.block_manager.reset_prefix_cache()
-        self.executor.sleep(level, self.config.sleep_offload_dir)
-        self._asleep = set(SLEEP_TAGS)
-        logger.info("asleep at level %d in %.2f s", level, time.monotonic() - started)
-        return True
-
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Bring back the weights and/or the KV cache (all when tags is None)."""
-        wanted = set(SLEEP_TAGS if not tags else tags)
-        unknown = wanted - set(SLEEP_TAGS)
-        if unknown:
-            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use weights, kv_cache")
-        todo = wanted & self._asleep
-        started = time.monotonic()
-        self.executor.wake_up(
-            "weights" in todo, "kv_cache" in todo, self.scheduler.block_manager.num_blocks
-        )
-        self._asleep -= todo
-        logger.info("woke %s in %.2f s", sorted(todo) or "nothing", time.monotonic() - started)
-        return True
-
-    def _lora_manager(self) -> LoRAManager:
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
-        return self.lora
-
-    def add_lora(self, lora_name: str, lora_path: str, lora_int_id: int = 0) -> dict[str, Any]:
-        """Register a PEFT adapter under a model name; loaded into a slot when first used."""
-        self._lora_manager().add(lora_name, lora_path, lora_int_id)
-        return next(d for d in self._lora_manager().describe() if d["lora_name"] == lora_name)
-
-    def remove_lora(self, lora_name: str) -> bool:
-        """Forget an adapter; refused while a queued or running request uses it."""
-        in_use = any(r.lora_name == lora_name for r in self.scheduler.requests.values())
-        self._lora_manager().remove(lora_name, in_use)
-        return True
-
-    def pin_lora(self, lora_name: str) -> bool:
-        """Load an adapter now and never evict it."""
-        wanted = {r.lora_name for r in self.scheduler.requests.values() if r.lora_name}
-        self._lora_manager().pin(lora_name, wanted)
-        return True
-
-    def list_loras(self) -> list[dict[str, Any]]:
-        return self._lora_manager().describe() if self.lora is not None else []
-
-    def is_sleeping(self) -> bool:
-        return bool(self._asleep)
-
-    def check_invariants(self) -> bool:
-        """The block manager's consistency check (raises if broken)."""
-        self.scheduler.block_manager.check_invariants()
-        if self.lora is not None:
-            self.lora.slots.check_invariants()
-        return True
-
-    def get_stats(self) -> dict[str, Any]:
-        bm = self.scheduler.block_manager
-        bm.check_invariants()
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_free_blocks": bm.num_free_blocks,
-            "num_blocks": bm.num_blocks,
-            "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "is_sleeping": bool(self._asleep),
-        }

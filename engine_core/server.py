@@ -27,7 +27,8 @@ import zmq
 
 from engine_core.addresses import split_address
 from engine_core.curve import bind_address, secure_server
-from engine_core.engine import EngineBusyError, EngineCore
+from engine_core.engine import EngineCore
+from engine_core.engine_utilities import EngineBusyError
 from engine_core.lora_manager import LoRAError
 from protocol.messages import (
     PROTOCOL_VERSION,

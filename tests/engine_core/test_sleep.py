@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.engine import EngineBusyError, EngineCore
+from engine_core.engine import EngineCore
+from engine_core.engine_utilities import EngineBusyError
 from engine_core.sleep import tensor_slots
 from protocol.messages import AddRequest
 from tests.engine_core.helpers import NUM_THREADS, greedy_params, run_to_completion
