@@ -117,9 +117,11 @@ CASES = [
     Case("300-deep JSON schema", "/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _deep_schema(300)}}), ok=(200,)),
     Case("recursive response schema", "/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"c": {"$ref": "#"}}}}}), ok=(200,)),
     Case("recursive tool schema", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _RECURSIVE}}], tool_choice={"type": "function", "function": {"name": "f"}}), ok=(200,)),
-    Case("recursive tool schema, required", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _RECURSIVE}}], tool_choice="required"), ok=(200, 400)),
-    Case("recursive tool schema", "/v1/messages", anth(tools=[{"name": "f", "input_schema": _RECURSIVE}], tool_choice={"type": "any"}), ok=(200, 400)),
-    Case("recursive tool schema", "/v1/responses", {"model": M, "input": "hi", "max_output_tokens": 4, "tools": [{"type": "function", "name": "f", "parameters": _RECURSIVE}], "tool_choice": "required"}, ok=(200, 400)),
+    Case("recursive tool schema, required", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _RECURSIVE}}], tool_choice="required"), ok=(200,)),
+    Case("recursive tool schema", "/v1/messages", anth(tools=[{"name": "f", "input_schema": _RECURSIVE}], tool_choice={"type": "any"}), ok=(200,)),
+    Case("recursive tool schema", "/v1/responses", {"model": M, "input": "hi", "max_output_tokens": 4, "tools": [{"type": "function", "name": "f", "parameters": _RECURSIVE}], "tool_choice": "required"}, ok=(200,)),
+    Case("self-recursive tool schema ($ref #), required", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"c": {"$ref": "#"}}}}}], tool_choice="required"), ok=(200,)),
+    Case("two recursive tools, same $defs name", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": n, "parameters": _RECURSIVE}} for n in ("f", "g")], tool_choice="required"), ok=(200,)),
     Case("tool schema not an object", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "nope"}}]), ok=(400,)),
 ]  # fmt: skip
 
