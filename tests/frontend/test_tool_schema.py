@@ -148,6 +148,7 @@ def test_tool_request_uses_the_combined_schema() -> None:
 
 @pytest.fixture(scope="module")
 def compiler() -> Any:
+    """An xgrammar compiler for the default model, as the engine's compile child makes it."""
     from engine_core.model_config import load_model_config, resolve_model_path
     from engine_core.structured_output import StructuredOutputManager
     from engine_core.tokenizer_files import tokenizer_dir_for
@@ -157,7 +158,10 @@ def compiler() -> Any:
     manager = StructuredOutputManager(
         tokenizer_dir_for(path), mc.vocab_size, list(mc.eos_token_ids)
     )
-    return manager._get_compiler()
+    import xgrammar as xgr
+
+    # The compile child builds the same compiler from the same TokenizerInfo.
+    return xgr.GrammarCompiler(manager._get_tokenizer_info(), max_threads=1, cache_enabled=False)
 
 
 def _accepts(compiled: Any, reply: Any) -> bool:
