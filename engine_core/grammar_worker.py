@@ -92,7 +92,10 @@ class GrammarWorker:
 
     def _read_frame(self, deadline: float) -> bytes:
         assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
+        try:
+            fd = self.proc.stdout.fileno()
+        except ValueError:  # closed by kill()
+            raise WorkerDied("grammar worker was killed") from None
         while True:
             if len(self._buf) >= _LEN.size:
                 (size,) = _LEN.unpack_from(self._buf)
@@ -103,10 +106,13 @@ class GrammarWorker:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WorkerTimeout("grammar worker did not answer in time")
-            readable, _, _ = select.select([fd], [], [], remaining)
-            if not readable:
+            try:
+                readable, _, _ = select.select([fd], [], [], remaining)
+                chunk = os.read(fd, 1 << 20) if readable else None
+            except (OSError, ValueError) as e:  # the pipe was closed by kill() (shutdown)
+                raise WorkerDied(f"grammar worker pipe closed: {e}") from None
+            if chunk is None:
                 continue
-            chunk = os.read(fd, 1 << 20)
             if not chunk:
                 raise WorkerDied(f"grammar worker exited (status {self.proc.poll()})")
             self._buf += chunk

@@ -131,12 +131,13 @@ class StructuredOutputManager:
         """Stop the dispatcher and kill the compile children."""
         with self._lock:
             self._closed = True
+            workers = [w for w in (self._active, self._spare) if w is not None]
         self._jobs.put(None)
+        # Killing first also ends a compile the dispatcher is waiting on.
+        for worker in workers:
+            worker.kill()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
-        for worker in (self._active, self._spare):
-            if worker is not None:
-                worker.kill()
 
     # ------------------------------------------------------------ internals
 
@@ -217,7 +218,10 @@ class StructuredOutputManager:
         """Kill the active child; the spare (already starting or warm) takes its place."""
         assert self._active is not None
         self._active.kill()
-        self._active, self._spare = self._spare, self._new_worker()
+        with self._lock:
+            if self._closed:  # shutdown() killed the child under us: start no other
+                return
+            self._active, self._spare = self._spare, self._new_worker()
 
     def _get_tokenizer_info(self) -> Any:
         """The engine side's TokenizerInfo, to attach compiled grammars to (built once)."""

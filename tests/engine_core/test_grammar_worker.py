@@ -112,3 +112,21 @@ def test_requests_queued_behind_a_runaway_still_compile(
     with pytest.raises(GrammarError):
         runaway.result(timeout=60)
     queued.result(timeout=10)
+
+
+def test_shutdown_ends_a_running_compile_and_leaves_no_process() -> None:
+    path = resolve_model_path(None)
+    mc = load_model_config(path)
+    m = StructuredOutputManager(tokenizer_dir_for(path), mc.vocab_size, list(mc.eos_token_ids), 60)
+    future = m.compile_async(json_params(blowup_schema()))
+    assert m._active is not None and m._spare is not None
+    procs = [m._active.proc, m._spare.proc]
+    m._active.wait_ready(time.monotonic() + 120)
+    time.sleep(0.5)  # the dispatcher has sent the job: the child is compiling
+    start = time.monotonic()
+    m.shutdown()
+    with pytest.raises(GrammarError):
+        future.result(timeout=10)
+    assert time.monotonic() - start < 5
+    assert all(p.poll() is not None for p in procs)
+    assert m.workers_started == 2  # no replacement started after shutdown
