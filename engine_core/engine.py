@@ -82,7 +82,8 @@ class EngineCore(EngineUtilities):
             tokenizer_dir_for(model_path),
             self.model_config.vocab_size,
             list(self.model_config.eos_token_ids),
-        )  # compiles nothing until a constrained request comes
+            compile_timeout_s=config.grammar_compile_timeout_s,
+        )  # starts its compile processes at the first constrained request (or start())
         self._compiling: dict[str, Request] = {}
         # When each request in _compiling must have its grammar (monotonic time).
         self._compile_deadline: dict[str, float] = {}
@@ -298,8 +299,8 @@ class EngineCore(EngineUtilities):
             if not grammar.done():
                 if now < deadline:
                     continue
-                # xgrammar cannot be interrupted: the compile runs on in its
-                # thread (and is cached if it ends), but the client gets an answer.
+                # The compile process is killed at the same deadline (see
+                # structured_output.py); this also answers requests still queued.
                 timeout = self.config.grammar_compile_timeout_s
                 error = f"the structured output constraint did not compile within {timeout:g} s"
             else:

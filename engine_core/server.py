@@ -108,6 +108,8 @@ class EngineCoreServer:
     def run(self) -> None:
         for thread in self._threads:
             thread.start()
+        # Warm grammar compile processes before the first constrained request.
+        self.engine.structured_output.start()
         try:
             while not self.stop_event.is_set():
                 self._drain_inputs(block=not self.engine.has_work())
@@ -272,6 +274,7 @@ class EngineCoreServer:
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
+        self.engine.structured_output.shutdown()
         for addr in split_address(self.address):
             if addr.startswith("ipc://"):
                 try:

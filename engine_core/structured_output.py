@@ -1,10 +1,14 @@
 """Structured output: grammars compiled with xgrammar, off the busy loop.
 
 A request with `structured_outputs` gets a Future for its compiled grammar
-when it arrives; the scheduler leaves it waiting until the Future is done
-(compilation runs in one worker thread, so the busy loop keeps stepping the
-other requests). Compiled grammars are cached by their spec, so a schema
-used by many requests compiles once. The model runner then keeps one
+when it arrives; the scheduler leaves it waiting until the Future is done, so
+the busy loop keeps stepping the other requests. Compiles run one at a time in
+a child process (engine_core/grammar_worker.py) fed by one dispatcher thread:
+a compile still running at its deadline (--grammar-compile-timeout) is ended
+by killing the child, which frees its CPU and memory, and a warm spare child
+takes over at once, so a runaway schema cannot starve the requests after it.
+Compiled grammars come back serialized and are cached by their spec, so a
+schema used by many requests compiles once. The model runner then keeps one
 GrammarMatcher per request: before sampling it fills the request's row of a
 token bitmask, after sampling it advances the matcher with the chosen token.
 """
@@ -13,12 +17,15 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from engine_core.grammar_worker import GrammarWorker, WorkerDied, WorkerTimeout
 from protocol.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -28,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 # Distinct compiled grammars kept; each is a few KB to a few MB.
 GRAMMAR_CACHE_SIZE = 256
+# How long a fresh compile child may take to start (imports torch and xgrammar).
+WORKER_START_TIMEOUT_S = 120.0
 
 
 class GrammarError(ValueError):
@@ -51,18 +60,57 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
 
 
+def timeout_message(timeout_s: float) -> str:
+    return f"the structured output constraint did not compile within {timeout_s:g} s"
+
+
+class _Job:
+    __slots__ = ("key", "params", "deadline", "future")
+
+    def __init__(
+        self, key: tuple[str, str], params: StructuredOutputsParams, deadline: float
+    ) -> None:
+        self.key = key
+        self.params = params
+        self.deadline = deadline
+        self.future: Future[Any] = Future()
+
+
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and hands out matchers."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        compile_timeout_s: float = 20.0,
+    ) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._compiler: Any = None
+        self.compile_timeout_s = compile_timeout_s
+        self._tokenizer_info: Any = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        # One thread: compiling is CPU-bound and must not starve the model.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._active: GrammarWorker | None = None
+        self._spare: GrammarWorker | None = None
+        self._closed = False
+        # Counters for tests and logs: compiles ended by the deadline, children started.
+        self.killed_compiles = 0
+        self.workers_started = 0
+
+    def start(self) -> None:
+        """Start the compile children and the dispatcher now rather than at first use."""
+        with self._lock:
+            if self._thread is not None or self._closed:
+                return
+            self._active = self._new_worker()
+            self._spare = self._new_worker()
+            self._thread = threading.Thread(target=self._run, name="grammar", daemon=True)
+            self._thread.start()
 
     def compile_async(self, params: StructuredOutputsParams) -> Future[Any]:
         """A Future of the compiled grammar; raises GrammarError when it fails."""
@@ -74,37 +122,118 @@ class StructuredOutputManager:
                 done: Future[Any] = Future()
                 done.set_result(cached)
                 return done
-        return self._pool.submit(self._compile, key, params)
+        self.start()
+        job = _Job(key, params, time.monotonic() + self.compile_timeout_s)
+        self._jobs.put(job)
+        return job.future
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the dispatcher and kill the compile children."""
+        with self._lock:
+            self._closed = True
+            workers = [w for w in (self._active, self._spare) if w is not None]
+        self._jobs.put(None)
+        # Killing first also ends a compile the dispatcher is waiting on.
+        for worker in workers:
+            worker.kill()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
 
     # ------------------------------------------------------------ internals
 
-    def _compile(self, key: tuple[str, str], params: StructuredOutputsParams) -> Any:
-        compiler = self._get_compiler()
+    def _new_worker(self) -> GrammarWorker:
+        self.workers_started += 1
+        return GrammarWorker(self.tokenizer_path, self.vocab_size, self.stop_token_ids)
+
+    def _run(self) -> None:
         try:
-            compiled = _compile_with(compiler, params)
-        except Exception as e:  # xgrammar raises RuntimeError/ValueError with C++ context
-            raise GrammarError(_describe(params.kind, e)) from None
+            self._get_tokenizer_info()  # now, not on the first request's clock
+        except Exception:  # noqa: BLE001 - retried (and reported) by the first compile
+            logger.exception("could not build the tokenizer info for grammars")
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.future.cancelled():
+                continue
+            try:
+                job.future.set_result(self._compile(job))
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+                if not isinstance(e, GrammarError):
+                    logger.exception("grammar compile failed")
+                job.future.set_exception(e)
+
+    def _compile(self, job: _Job) -> Any:
         with self._lock:
-            self._cache[key] = compiled
+            cached = self._cache.get(job.key)  # an identical spec queued before this one
+        if cached is not None:
+            return cached
+        if time.monotonic() >= job.deadline:
+            raise GrammarError(timeout_message(self.compile_timeout_s))
+        worker = self._worker()
+        try:
+            worker.wait_ready(job.deadline)
+        except WorkerTimeout:
+            # Still starting (a spare just promoted): this job is out of time, but the
+            # child is not stuck on anything; leave it to start unless it never does.
+            if time.monotonic() - worker.started_at > WORKER_START_TIMEOUT_S:
+                self._replace_active()
+            raise GrammarError(timeout_message(self.compile_timeout_s)) from None
+        except WorkerDied as e:
+            logger.warning("grammar worker died while starting (%s); starting another", e)
+            self._replace_active()
+            raise GrammarError(f"the grammar compiler could not start: {e}") from None
+        try:
+            ok, text = worker.compile(job.params, job.deadline)
+        except WorkerTimeout:
+            # The compile overran: kill it (freeing its CPU and memory), promote the spare.
+            self.killed_compiles += 1
+            logger.warning(
+                "grammar compile of a %s constraint passed %g s: killed its process",
+                job.params.kind,
+                self.compile_timeout_s,
+            )
+            self._replace_active()
+            raise GrammarError(timeout_message(self.compile_timeout_s)) from None
+        except WorkerDied as e:
+            logger.warning("grammar worker died (%s); starting another", e)
+            self._replace_active()
+            raise GrammarError(f"the grammar compiler failed on this constraint: {e}") from None
+        if not ok:
+            raise GrammarError(text)
+        import xgrammar as xgr
+
+        compiled = xgr.CompiledGrammar.deserialize_json(text, self._get_tokenizer_info())
+        with self._lock:
+            self._cache[job.key] = compiled
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _get_compiler(self) -> Any:
-        if self._compiler is None:
+    def _worker(self) -> GrammarWorker:
+        assert self._active is not None
+        return self._active
+
+    def _replace_active(self) -> None:
+        """Kill the active child; the spare (already starting or warm) takes its place."""
+        assert self._active is not None
+        self._active.kill()
+        with self._lock:
+            if self._closed:  # shutdown() killed the child under us: start no other
+                return
+            self._active, self._spare = self._spare, self._new_worker()
+
+    def _get_tokenizer_info(self) -> Any:
+        """The engine side's TokenizerInfo, to attach compiled grammars to (built once)."""
+        if self._tokenizer_info is None:
             import xgrammar as xgr
             from transformers import PreTrainedTokenizerFast
 
             tokenizer = PreTrainedTokenizerFast.from_pretrained(self.tokenizer_path)
-            info = xgr.TokenizerInfo.from_huggingface(
+            self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
-            # Caching is ours (bounded, keyed by spec); xgrammar's own is off.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+        return self._tokenizer_info
 
 
 def new_matcher(compiled: Any, output_token_ids: list[int]) -> Any:
@@ -140,7 +269,8 @@ def advance_matcher(matcher: Any, token_id: int) -> bool:
     return bool(matcher.is_terminated())
 
 
-def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
+def compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
+    """Compile one constraint with an xgrammar GrammarCompiler (in the compile child)."""
     kind = params.kind
     if kind == "json":
         assert params.json is not None
@@ -166,7 +296,7 @@ def _compile_with(compiler: Any, params: StructuredOutputsParams) -> Any:
     raise GrammarError("structured_outputs names no constraint")
 
 
-def _describe(kind: str, exc: Exception) -> str:
+def describe_error(kind: str, exc: Exception) -> str:
     """xgrammar's message without its "[time] file.cc:line:" prefix."""
     if isinstance(exc, GrammarError):
         return str(exc)

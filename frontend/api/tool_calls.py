@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.api.errors import APIError
+from frontend.api.tool_schema import required_calls_schema
 from protocol.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -57,20 +58,7 @@ class ToolRequest:
             assert self.named is not None
             return StructuredOutputsParams(json=_dumps(self.functions[self.named]))
         if self.mode == "required":
-            calls = {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "properties": {"name": {"const": name}, "parameters": params},
-                        "required": ["name", "parameters"],
-                        "additionalProperties": False,
-                    }
-                    for name, params in self.functions.items()
-                ]
-            }
-            schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
-            if not self.parallel:
-                schema["maxItems"] = 1
+            schema = required_calls_schema(self.functions, self.parallel)
             return StructuredOutputsParams(json=_dumps(schema))
         return None
 

@@ -117,9 +117,11 @@ CASES = [
     Case("300-deep JSON schema", "/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _deep_schema(300)}}), ok=(200,)),
     Case("recursive response schema", "/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"c": {"$ref": "#"}}}}}), ok=(200,)),
     Case("recursive tool schema", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _RECURSIVE}}], tool_choice={"type": "function", "function": {"name": "f"}}), ok=(200,)),
-    Case("recursive tool schema, required", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _RECURSIVE}}], tool_choice="required"), ok=(200, 400)),
-    Case("recursive tool schema", "/v1/messages", anth(tools=[{"name": "f", "input_schema": _RECURSIVE}], tool_choice={"type": "any"}), ok=(200, 400)),
-    Case("recursive tool schema", "/v1/responses", {"model": M, "input": "hi", "max_output_tokens": 4, "tools": [{"type": "function", "name": "f", "parameters": _RECURSIVE}], "tool_choice": "required"}, ok=(200, 400)),
+    Case("recursive tool schema, required", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _RECURSIVE}}], tool_choice="required"), ok=(200,)),
+    Case("recursive tool schema", "/v1/messages", anth(tools=[{"name": "f", "input_schema": _RECURSIVE}], tool_choice={"type": "any"}), ok=(200,)),
+    Case("recursive tool schema", "/v1/responses", {"model": M, "input": "hi", "max_output_tokens": 4, "tools": [{"type": "function", "name": "f", "parameters": _RECURSIVE}], "tool_choice": "required"}, ok=(200,)),
+    Case("self-recursive tool schema ($ref #), required", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"c": {"$ref": "#"}}}}}], tool_choice="required"), ok=(200,)),
+    Case("two recursive tools, same $defs name", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": n, "parameters": _RECURSIVE}} for n in ("f", "g")], tool_choice="required"), ok=(200,)),
     Case("tool schema not an object", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "nope"}}]), ok=(400,)),
 ]  # fmt: skip
 
@@ -190,7 +192,8 @@ def test_valid_surrogate_pair_is_served(server: Server) -> None:
 
 
 def test_grammar_compile_blowup_is_a_bounded_400(tmp_path: Any) -> None:
-    """A schema that takes about a minute to compile gets a 400 after the timeout."""
+    """A schema that takes about a minute to compile gets a 400 after the timeout; its
+    compile process is killed, so a structured request right after is served promptly."""
     from tests.frontend.conftest import ENGINE_FLAGS
     from tests.frontend.servers import private_server
 
@@ -199,8 +202,22 @@ def test_grammar_compile_blowup_is_a_bounded_400(tmp_path: Any) -> None:
         for i in range(400)
     }
     schema = {"type": "object", "properties": props, "required": list(props)}
+    small = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     flags = (*ENGINE_FLAGS, "--grammar-compile-timeout", "2")
     with private_server(tmp_path, flags, name="grammar") as base:
+        # The compile processes start with the engine; one constrained request shows
+        # they are warm (its 2 s budget would not cover their start).
+        deadline = time.monotonic() + 120
+        while True:
+            r = httpx.post(
+                base + "/v1/completions",
+                json={"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "[a-z]+"}},
+                timeout=60,
+            )
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert r.status_code == 200, r.text[:300]
         start = time.monotonic()
         r = httpx.post(
             base + "/v1/completions",
@@ -214,3 +231,20 @@ def test_grammar_compile_blowup_is_a_bounded_400(tmp_path: Any) -> None:
         # Unconstrained requests are served meanwhile.
         r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200
+        # A new schema right after compiles within its own 2 s: nothing runs on behind it.
+        start = time.monotonic()
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            json={
+                "model": M,
+                "messages": [{"role": "user", "content": "a number"}],
+                "max_tokens": 8,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": small},
+                },
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text[:300]
+        assert time.monotonic() - start < 15  # 8 tokens on the loaded CPU; compile < 2 s
