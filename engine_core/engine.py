@@ -84,9 +84,8 @@ class EngineCore(EngineUtilities):
             list(self.model_config.eos_token_ids),
             compile_timeout_s=config.grammar_compile_timeout_s,
         )  # starts its compile processes at the first constrained request (or start())
+        # Requests whose grammar is compiling; the manager enforces the time limit.
         self._compiling: dict[str, Request] = {}
-        # When each request in _compiling must have its grammar (monotonic time).
-        self._compile_deadline: dict[str, float] = {}
         self.info = EngineInfo(
             model_name=name,
             model_path=model_path,
@@ -200,9 +199,6 @@ class EngineCore(EngineUtilities):
         if constraint is not None and msg.pooling_params is None:
             request.grammar = self.structured_output.compile_async(constraint)
             self._compiling[request.request_id] = request
-            self._compile_deadline[request.request_id] = (
-                time.monotonic() + self.config.grammar_compile_timeout_s
-            )
         self.scheduler.add_request(request)
         return None
 
@@ -287,26 +283,17 @@ class EngineCore(EngineUtilities):
     def _reap_grammars(self) -> list[tuple[Request, RequestDelta]]:
         """Forget compiled grammars' requests; fail those whose grammar did not compile."""
         failed: list[tuple[Request, RequestDelta]] = []
-        now = time.monotonic()
         for request_id, request in list(self._compiling.items()):
             grammar = request.grammar
-            deadline = self._compile_deadline.get(request_id, now)
             if request.is_finished or grammar is None:
                 del self._compiling[request_id]
-                self._compile_deadline.pop(request_id, None)
                 continue
-            error: BaseException | str | None
             if not grammar.done():
-                if now < deadline:
-                    continue
-                # The compile process is killed at the same deadline (see
-                # structured_output.py); this also answers requests still queued.
-                timeout = self.config.grammar_compile_timeout_s
-                error = f"the structured output constraint did not compile within {timeout:g} s"
-            else:
-                error = grammar.exception()
+                # The manager fails the Future at --grammar-compile-timeout (killing
+                # the compile), or at once when dequeued past its deadline.
+                continue
+            error = grammar.exception()
             del self._compiling[request_id]
-            self._compile_deadline.pop(request_id, None)
             if error is None:
                 continue
             self.scheduler.finish_requests([request_id], "error")

@@ -108,8 +108,6 @@ class EngineCoreServer:
     def run(self) -> None:
         for thread in self._threads:
             thread.start()
-        # Warm grammar compile processes before the first constrained request.
-        self.engine.structured_output.start()
         try:
             while not self.stop_event.is_set():
                 self._drain_inputs(block=not self.engine.has_work())

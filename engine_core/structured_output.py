@@ -101,6 +101,8 @@ class StructuredOutputManager:
         # Counters for tests and logs: compiles ended by the deadline, children started.
         self.killed_compiles = 0
         self.workers_started = 0
+        # When the active child last became ready (monotonic).
+        self._ready_at = 0.0
 
     def start(self) -> None:
         """Start the compile children and the dispatcher now rather than at first use."""
@@ -168,23 +170,29 @@ class StructuredOutputManager:
             cached = self._cache.get(job.key)  # an identical spec queued before this one
         if cached is not None:
             return cached
-        if time.monotonic() >= job.deadline:
-            raise GrammarError(timeout_message(self.compile_timeout_s))
         worker = self._worker()
-        try:
-            worker.wait_ready(job.deadline)
-        except WorkerTimeout:
-            # Still starting (a spare just promoted): this job is out of time, but the
-            # child is not stuck on anything; leave it to start unless it never does.
-            if time.monotonic() - worker.started_at > WORKER_START_TIMEOUT_S:
+        if not worker.ready:
+            # The children start at the first constrained request (each imports torch
+            # and xgrammar: seconds, ~300 MB), not with every engine.
+            try:
+                worker.wait_ready(worker.started_at + WORKER_START_TIMEOUT_S)
+            except WorkerTimeout:
                 self._replace_active()
-            raise GrammarError(timeout_message(self.compile_timeout_s)) from None
-        except WorkerDied as e:
-            logger.warning("grammar worker died while starting (%s); starting another", e)
-            self._replace_active()
-            raise GrammarError(f"the grammar compiler could not start: {e}") from None
+                raise GrammarError("the grammar compiler did not start in time") from None
+            except WorkerDied as e:
+                logger.warning("grammar worker died while starting (%s); starting another", e)
+                self._replace_active()
+                raise GrammarError(f"the grammar compiler could not start: {e}") from None
+            self._ready_at = time.monotonic()
+        # The time limit bounds compiling, not a child's start: a job that arrived
+        # while the child was starting has its full time from when it was ready.
+        deadline = job.deadline
+        if job.deadline - self.compile_timeout_s < self._ready_at:
+            deadline = max(deadline, self._ready_at + self.compile_timeout_s)
+        if time.monotonic() >= deadline:
+            raise GrammarError(timeout_message(self.compile_timeout_s))
         try:
-            ok, text = worker.compile(job.params, job.deadline)
+            ok, text = worker.compile(job.params, deadline)
         except WorkerTimeout:
             # The compile overran: kill it (freeing its CPU and memory), promote the spare.
             self.killed_compiles += 1

@@ -121,7 +121,10 @@ def test_shutdown_ends_a_running_compile_and_leaves_no_process() -> None:
     future = m.compile_async(json_params(blowup_schema()))
     assert m._active is not None and m._spare is not None
     procs = [m._active.proc, m._spare.proc]
-    m._active.wait_ready(time.monotonic() + 120)
+    # The dispatcher reads the child's ready frame (reading it here would race it).
+    deadline = time.monotonic() + 120
+    while not m._active.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(0.5)  # the dispatcher has sent the job: the child is compiling
     start = time.monotonic()
     m.shutdown()
