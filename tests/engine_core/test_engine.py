@@ -124,3 +124,26 @@ def test_duplicate_request_id_is_refused(engine: EngineCore, prompt: list[int]) 
     assert delta is not None and delta.error is not None and "already in use" in delta.error
     while engine.has_work():
         engine.step()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_cpu_kv_cache_is_resident_from_the_start(tiny_models: dict[str, Path]) -> None:
+    """The KV budget is in RSS once allocated, not page by page as blocks are first used."""
+    config = EngineConfig(
+        model=str(tiny_models["llama"]),
+        dtype="float32",
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=64,
+        num_threads=NUM_THREADS,
+    )
+    runner = EngineCore(config).executor.runner
+    budget = 256 << 20
+    num_blocks = budget // runner.kv_bytes_per_block()
+    before = _rss_bytes()
+    runner.allocate_kv_cache(num_blocks)
+    grown = _rss_bytes() - before
+    assert grown >= 0.9 * num_blocks * runner.kv_bytes_per_block(), grown
