@@ -9,6 +9,7 @@ directory `pagoda serve` made for the engine's ipc sockets is removed on exit.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from engine_core.addresses import default_ipc_address, dp_addresses
 from engine_core.args import add_engine_args, engine_args_to_argv
@@ -42,7 +44,7 @@ def _serve(ns: argparse.Namespace) -> int:
     for i, engine_address in enumerate(addresses):
         engine_argv = [python, "-m", "engine_core.cli", "--address", engine_address, *engine_flags]
         name = "engine-core" if len(addresses) == 1 else f"engine-core {i}"
-        engines.append((name, subprocess.Popen(engine_argv)))
+        engines.append((name, subprocess.Popen(engine_argv, preexec_fn=die_with_parent())))
     api_argv = [
         python,
         "-m",
@@ -62,7 +64,8 @@ def _serve(ns: argparse.Namespace) -> int:
         metrics_dir = tempfile.mkdtemp(prefix="pagoda-metrics-")
         api_env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     for i in range(ns.api_server_count):
-        api_servers.append((f"api-server {i}", subprocess.Popen(api_argv, env=api_env)))
+        api_server = subprocess.Popen(api_argv, env=api_env, preexec_fn=die_with_parent())
+        api_servers.append((f"api-server {i}", api_server))
 
     stopping = False
 
@@ -107,6 +110,28 @@ def _how_it_ended(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn: the child gets SIGTERM when this process dies, even by SIGKILL.
+
+    Without it a `pagoda serve` killed with -9 would leave its engine core and
+    API servers running, holding the port and the accelerator. Linux only
+    (prctl); elsewhere None. Safe as a preexec_fn because pagoda starts no threads.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_death_signal
 
 
 def _stop(children: list[tuple[str, subprocess.Popen[bytes]]], timeout: float) -> None:

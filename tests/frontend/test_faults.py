@@ -16,6 +16,8 @@ import shutil
 import signal
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ from protocol.messages import AddRequest, Outputs, RequestDelta, UtilityResult
 from protocol.sampling_params import SamplingParams
 from tests.frontend.conftest import ENGINE_FLAGS, Server
 from tests.frontend.servers import (
+    REPO,
     Pagoda,
     Processes,
     api_argv,
@@ -425,3 +428,37 @@ def test_garbage_on_the_api_servers_output_socket(server: Server, tmp_path: Path
     finally:
         assert procs.stop() == [0]
         proxy.stop()
+
+
+# ------------------------------------------------------------ pagoda itself killed
+
+
+_PARENT = """
+import subprocess, sys, time
+from frontend.pagoda_cli import die_with_parent
+child = subprocess.Popen(["sleep", "120"], preexec_fn=die_with_parent())
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_children_of_a_killed_pagoda_do_not_outlive_it() -> None:
+    # pagoda serve starts its engine core and API servers with die_with_parent():
+    # kill -9 of pagoda itself must not leave them running (here with `sleep`
+    # as the child, so that no model has to load).
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT], cwd=REPO, stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert not is_gone(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while not is_gone(child):
+            assert time.monotonic() < deadline, "the child outlived its killed parent"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
