@@ -346,6 +346,7 @@ class AsyncMPClient:
     def _fail_all(self, reason: str) -> None:
         self.dead = reason
         handlers, self._handlers = self._handlers, {}
+        logger.warning("engine core unavailable (%s): failed %d requests", reason, len(handlers))
         self._orphaned.extend(handlers)
         for handler in handlers.values():
             handler(None)

@@ -129,8 +129,40 @@ def test_killed_api_server_among_two_leaves_the_other_intact(server: Server) -> 
         assert survivor.completion_tokens() == 32  # intact, to the last token
         _idle_engine(server.base_url)
         _completion_works(server.base_url)
-    finally:
         assert procs.stop() == [-signal.SIGKILL]
+    finally:
+        procs.stop()
+
+
+def _unavailable_count(server: Server) -> int:
+    return server.procs.logs[1].read_text(errors="replace").count("engine core unavailable")
+
+
+def test_an_idle_api_server_keeps_hearing_an_engine_busy_for_another(server: Server) -> None:
+    # The engine heartbeats every quiet frontend even while its output queue
+    # is busy with another one's stream; it used to heartbeat only when the
+    # whole queue was quiet, so an idle API server declared it dead after 5 s.
+    procs = Processes()
+    port = free_port()
+    busy_base = f"http://127.0.0.1:{port}"
+    procs.start(api_argv(server.address, port), "api-busy")
+    try:
+        wait_healthy(busy_base, procs, timeout=60)
+        before = _unavailable_count(server)
+        body = {**_STREAM, "max_tokens": 900}
+        with httpx.stream("POST", busy_base + "/v1/completions", json=body, timeout=60) as r:
+            started = time.monotonic()
+            for line in r.iter_lines():
+                assert '"error"' not in line, line
+                if time.monotonic() - started > 7.0:  # past the 5 s silence limit
+                    break
+        # Not polled meanwhile: a poll is itself a word from the engine.
+        assert _unavailable_count(server) == before
+        assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+        _idle_engine(server.base_url)  # the closed stream was aborted
+        assert procs.stop() == [0]
+    finally:
+        procs.stop()
 
 
 def _engine_and_api_pids(pagoda_pid: int) -> tuple[int, list[int]]:
@@ -425,8 +457,9 @@ def test_garbage_on_the_api_servers_output_socket(server: Server, tmp_path: Path
         assert httpx.get(base + "/health", timeout=10).status_code == 200
         _completion_works(base)
         _idle_engine(base)
+        assert procs.stop() == [0]  # and it still shuts down cleanly
     finally:
-        assert procs.stop() == [0]
+        procs.stop()
         proxy.stop()
 
 

@@ -104,8 +104,9 @@ def test_stopped_engine_never_stalls_the_api_server(tmp_path: Path) -> None:
         assert stats["num_used_blocks"] == 0, stats
         out = c.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3)
         assert out.usage is not None and out.usage.completion_tokens == 3
-    finally:
         assert procs.stop() == [0, 0]
+    finally:
+        procs.stop()
 
 
 def test_a_client_that_stops_reading_blocks_nobody(server: Server) -> None:
