@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 
@@ -69,7 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"engine-core listening on {server.address}", flush=True)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if ns.address is None:
+            # The private runtime directory made above; gone already is fine.
+            shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
     return 0
 
 

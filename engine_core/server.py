@@ -232,21 +232,44 @@ class EngineCoreServer:
 
     def _output_loop(self) -> None:
         encoder, _ = make_engine_codec()
+        # When each frontend was last sent anything. Heartbeats go to every
+        # frontend quiet for HEARTBEAT_INTERVAL_S, also while the queue is busy
+        # with another frontend's outputs: an idle API server must not take an
+        # engine that streams for others for dead.
+        last_sent: dict[bytes, float] = {}
+        next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL_S
         while True:
+            item: tuple[bytes, EngineMessage] | None | bool
             try:
-                item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S)
+                item = self.output_queue.get(timeout=HEARTBEAT_INTERVAL_S / 2)
             except queue.Empty:
-                # Quiet for a while: tell every frontend that this process lives
-                # (and how loaded it is) even while a long step runs.
-                heartbeat = encoder.encode(Outputs([], self.engine.stats(), time.time()))
-                for identity in list(self.clients):
-                    self._send(identity, heartbeat, retry_s=0.0)
-                continue
+                item = False  # nothing queued: only heartbeats, if due
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                next_heartbeat = now + HEARTBEAT_INTERVAL_S / 2
+                quiet = [
+                    identity
+                    for identity in list(self.clients)
+                    if now - last_sent.get(identity, 0.0) >= HEARTBEAT_INTERVAL_S
+                ]
+                if quiet:
+                    # Tell these frontends that this process lives (and how
+                    # loaded it is), even while a long step runs.
+                    heartbeat = encoder.encode(Outputs([], self.engine.stats(), time.time()))
+                    for identity in quiet:
+                        self._send(identity, heartbeat, retry_s=0.0)
+                        last_sent[identity] = now
+                for identity in set(last_sent) - self.clients:
+                    del last_sent[identity]
             if item is None:
                 return
+            if item is False:
+                continue
+            assert isinstance(item, tuple)
             identity, msg = item
             retry_s = 0.0 if isinstance(msg, Outputs) else _READY_RETRY_S
             self._send(identity, encoder.encode(msg), retry_s)
+            last_sent[identity] = time.monotonic()
 
     def _send(self, identity: bytes, payload: bytes, retry_s: float) -> None:
         deadline = time.monotonic() + retry_s

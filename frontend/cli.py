@@ -84,6 +84,13 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="per API server: generation requests beyond this many get 503 + Retry-After",
     )
     g.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection whose request headers are not complete this long gets 408 and is closed",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -133,6 +140,7 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--admin-api-key", ns.admin_api_key]
     if ns.max_inflight_requests is not None:
         argv += ["--max-inflight-requests", str(ns.max_inflight_requests)]
+    argv += ["--http-header-timeout", str(ns.http_header_timeout)]
     argv += ["--shutdown-timeout", str(ns.shutdown_timeout)]
     return argv
 
@@ -165,6 +173,7 @@ async def serve(ns: argparse.Namespace) -> int:
     from frontend.api.app import FrontendConfig, build_app
     from frontend.async_llm import AsyncLLM
     from frontend.engine_client import EngineDeadError
+    from frontend.http_protocol import header_timeout_protocol
 
     log = logging.getLogger("api-server")
     keys = list(ns.api_key or [])
@@ -209,7 +218,11 @@ async def serve(ns: argparse.Namespace) -> int:
     app = build_app(engine, config, tool_servers)
     server = _Server(
         uvicorn.Config(
-            app, log_level=ns.uvicorn_log_level, loop="none", timeout_graceful_shutdown=5
+            app,
+            log_level=ns.uvicorn_log_level,
+            loop="none",
+            timeout_graceful_shutdown=5,
+            http=header_timeout_protocol(ns.http_header_timeout),
         )
     )
     loop = asyncio.get_running_loop()

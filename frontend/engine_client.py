@@ -136,6 +136,10 @@ class AsyncMPClient:
         self._in_sock: zmq.asyncio.Socket | None = None
         self._out_sock: zmq.asyncio.Socket | None = None
         self.last_output_time = time.monotonic()
+        # Requests failed while the engine was silent, not yet aborted there: a
+        # stopped (SIGSTOP) or starved engine that wakes up would otherwise run
+        # them to max_tokens for nobody, holding their KV blocks.
+        self._orphaned: list[str] = []
 
     async def start(self, timeout: float = 60.0) -> Ready:
         """Connect and handshake; raises EngineDeadError if nobody answers."""
@@ -273,11 +277,15 @@ class AsyncMPClient:
         assert self._out_sock is not None
         while True:
             try:
-                payload = await self._out_sock.recv()
+                frames = await self._out_sock.recv_multipart()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            # The engine sends one frame per message; anything else is not its.
+            if len(frames) != 1:
+                logger.warning("dropped a message with %d frames from the engine", len(frames))
+                continue
             try:
-                msg = self._decoder.decode(payload)
+                msg = self._decoder.decode(frames[0])
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 logger.warning("dropped an undecodable message from the engine: %s", e)
                 continue
@@ -314,6 +322,14 @@ class AsyncMPClient:
         """
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            if self._orphaned:
+                try:
+                    # Ahead of the Hello: an engine that was only stopped reads
+                    # this first when it resumes.
+                    await self._send(Abort(self._orphaned))
+                    self._orphaned = []
+                except (EngineDeadError, zmq.ZMQError):
+                    pass  # gone for good; a new engine never heard of them
             if self.dead is not None:
                 message: msgspec.Struct = Hello(self.client_id, PROTOCOL_VERSION)
             else:
@@ -330,6 +346,8 @@ class AsyncMPClient:
     def _fail_all(self, reason: str) -> None:
         self.dead = reason
         handlers, self._handlers = self._handlers, {}
+        logger.warning("engine core unavailable (%s): failed %d requests", reason, len(handlers))
+        self._orphaned.extend(handlers)
         for handler in handlers.values():
             handler(None)
         for future in self._utility_futures.values():

@@ -1,13 +1,15 @@
 """`pagoda serve`: one engine core and N API servers, supervised together;
 `pagoda run-batch`: a JSONL batch file answered offline (frontend/run_batch.py).
 
-If any child exits, the others are stopped and `pagoda` exits non-zero
-naming it; SIGINT or SIGTERM stops all of them.
+If any child exits (or is killed), the others are stopped and `pagoda`
+exits non-zero naming it; SIGINT or SIGTERM stops all of them. The runtime
+directory `pagoda serve` made for the engine's ipc sockets is removed on exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from engine_core.addresses import default_ipc_address, dp_addresses
 from engine_core.args import add_engine_args, engine_args_to_argv
@@ -25,8 +28,11 @@ from frontend.run_batch import add_run_batch_args, run_batch
 
 def _serve(ns: argparse.Namespace) -> int:
     address = ns.address or default_ipc_address()
+    # A runtime directory made here is ours to remove; one named by --address is not.
+    runtime_dir = None if ns.address else os.path.dirname(address[len("ipc://") :])
     python = sys.executable
-    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    engines: list[tuple[str, subprocess.Popen[bytes]]] = []
+    api_servers: list[tuple[str, subprocess.Popen[bytes]]] = []
     addresses = dp_addresses(address, ns.data_parallel_size)
     engine_flags = engine_args_to_argv(ns)
     if ns.curve_keys:
@@ -38,9 +44,15 @@ def _serve(ns: argparse.Namespace) -> int:
     for i, engine_address in enumerate(addresses):
         engine_argv = [python, "-m", "engine_core.cli", "--address", engine_address, *engine_flags]
         name = "engine-core" if len(addresses) == 1 else f"engine-core {i}"
-        children.append((name, subprocess.Popen(engine_argv)))
-    engines = ",".join(addresses)
-    api_argv = [python, "-m", "frontend.cli", "--engine", engines, *frontend_args_to_argv(ns)]
+        engines.append((name, subprocess.Popen(engine_argv, preexec_fn=die_with_parent())))
+    api_argv = [
+        python,
+        "-m",
+        "frontend.cli",
+        "--engine",
+        ",".join(addresses),
+        *frontend_args_to_argv(ns),
+    ]
     if ns.served_model_name:
         api_argv += ["--served-model-name", ns.served_model_name]
     if ns.curve_keys:
@@ -52,7 +64,8 @@ def _serve(ns: argparse.Namespace) -> int:
         metrics_dir = tempfile.mkdtemp(prefix="pagoda-metrics-")
         api_env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     for i in range(ns.api_server_count):
-        children.append((f"api-server {i}", subprocess.Popen(api_argv, env=api_env)))
+        api_server = subprocess.Popen(api_argv, env=api_env, preexec_fn=die_with_parent())
+        api_servers.append((f"api-server {i}", api_server))
 
     stopping = False
 
@@ -65,27 +78,60 @@ def _serve(ns: argparse.Namespace) -> int:
     exit_code = 0
     try:
         while not stopping:
-            for name, proc in children:
+            for name, proc in engines + api_servers:
                 code = proc.poll()
                 if code is not None:
                     print(
-                        f"pagoda: {name} exited with code {code}; stopping the others",
+                        f"pagoda: {name} {_how_it_ended(code)}; stopping the others",
                         file=sys.stderr,
                         flush=True,
                     )
-                    exit_code = code or 1
+                    # A child killed by a signal has a negative code; exit 1 then.
+                    exit_code = code if code > 0 else 1
                     stopping = True
                     break
             time.sleep(0.2)
     finally:
         # API servers first: they drain their requests (up to --shutdown-timeout)
-        # while the engine still serves them; then the engine core.
-        api_servers, engine = children[1:], children[:1]
+        # while the engine cores still serve them; then the engine cores.
         _stop(api_servers, ns.shutdown_timeout + 10)
-        _stop(engine, 15)
+        _stop(engines, 15)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
     return exit_code
+
+
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn: the child gets SIGTERM when this process dies, even by SIGKILL.
+
+    Without it a `pagoda serve` killed with -9 would leave its engine core and
+    API servers running, holding the port and the accelerator. Linux only
+    (prctl); elsewhere None. Safe as a preexec_fn because pagoda starts no threads.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_death_signal
 
 
 def _stop(children: list[tuple[str, subprocess.Popen[bytes]]], timeout: float) -> None:

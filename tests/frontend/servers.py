@@ -47,7 +47,7 @@ class Processes:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        codes = []
+        codes: list[int | None] = []
         for proc in self.procs:
             try:
                 codes.append(proc.wait(timeout=20))
@@ -119,3 +119,62 @@ def private_server(
         yield base
     finally:
         procs.stop()
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def is_gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode().split("\0")
+
+
+@dataclass
+class Pagoda:
+    """A `pagoda serve` process; its children's output and its own go to `log`."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_pagoda(port: int, engine_flags: tuple[str, ...], *extra: str) -> Pagoda:
+    """`pagoda serve` in its own session (a file, not a pipe, so that no child blocks)."""
+    argv = [sys.executable, "-m", "frontend.pagoda_cli", "serve", "--port", str(port)]
+    log = Path(tempfile.mkstemp(prefix="pagoda-serve-", suffix=".log")[1])
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [*argv, *engine_flags, *extra],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Pagoda(proc, log)
+
+
+def wait_pagoda_healthy(base: str, pagoda: Pagoda, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pagoda.proc.poll() is not None:
+            raise RuntimeError(pagoda.output()[-3000:])
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("pagoda serve did not become healthy")

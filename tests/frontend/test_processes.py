@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
@@ -15,7 +12,16 @@ import pytest
 
 from frontend import AsyncLLM, SamplingParams
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME, Server
-from tests.frontend.servers import REPO, Processes, api_argv, free_port, wait_healthy
+from tests.frontend.servers import (
+    Processes,
+    api_argv,
+    child_pids,
+    free_port,
+    is_gone,
+    start_pagoda,
+    wait_healthy,
+    wait_pagoda_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -65,49 +71,13 @@ def test_second_api_server_attaches_to_running_engine(server: Server) -> None:
         assert procs.stop() == [0]
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
-
-
-def _start_pagoda(port: int, *extra: str) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "frontend.pagoda_cli",
-        "serve",
-        "--port",
-        str(port),
-        *ENGINE_FLAGS,
-    ]
-    return subprocess.Popen(
-        [*argv, *extra],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-
-
-def _wait_health(base: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("pagoda serve did not become healthy")
-
-
 def test_pagoda_serve_two_api_servers_and_sigterm_stops_all() -> None:
     port = free_port()
-    proc = _start_pagoda(port, "--api-server-count", "2")
+    pagoda = start_pagoda(port, ENGINE_FLAGS, "--api-server-count", "2")
+    proc = pagoda.proc
     try:
-        _wait_health(f"http://127.0.0.1:{port}", proc)
-        children = _children(proc.pid)
+        wait_pagoda_healthy(f"http://127.0.0.1:{port}", pagoda)
+        children = child_pids(proc.pid)
         assert len(children) == 3  # one engine core, two API servers
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         generated = 0
@@ -123,36 +93,7 @@ def test_pagoda_serve_two_api_servers_and_sigterm_stops_all() -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         for pid in children:
-            assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] == "Z"
-    except OSError:
-        return True
-
-
-def test_pagoda_serve_exits_nonzero_when_a_child_dies() -> None:
-    port = free_port()
-    proc = _start_pagoda(port)
-    try:
-        _wait_health(f"http://127.0.0.1:{port}", proc)
-        children = _children(proc.pid)
-        engine_pid = next(
-            pid for pid in children if b"engine_core" in open(f"/proc/{pid}/cmdline", "rb").read()
-        )
-        os.kill(engine_pid, signal.SIGKILL)
-        code = proc.wait(timeout=30)
-        assert code != 0
-        assert proc.stderr is not None
-        assert b"engine-core exited" in proc.stderr.read()
-        time.sleep(0.5)
-        assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in children)
+            assert is_gone(pid)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -207,32 +148,3 @@ def test_async_llm_from_engine_args_starts_and_stops_its_engine() -> None:
         assert process.poll() is not None
 
     asyncio.run(run())
-
-
-def test_engine_aborts_requests_of_a_killed_api_server(server: Server) -> None:
-    procs = Processes()
-    port = free_port()
-    doomed = procs.start(api_argv(server.address, port), "api-doomed")
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", procs, timeout=60)
-        body = {
-            "model": MODEL_NAME,
-            "prompt": "Count:",
-            "max_tokens": 900,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with httpx.stream(
-            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60
-        ) as r:
-            next(r.iter_lines())  # generating now
-            os.kill(doomed.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while True:
-            stats = httpx.get(server.base_url + "/stats", timeout=10).json()
-            if stats["num_running"] == 0 and stats["num_used_blocks"] == 0:
-                break
-            assert time.monotonic() < deadline, stats
-            time.sleep(0.3)
-    finally:
-        procs.stop()
