@@ -35,6 +35,12 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
 
 
+def check_priority(priority: int) -> None:
+    """The engine's queue order key crosses the socket as a signed 64-bit integer."""
+    if not -(2**63) <= priority < 2**63:
+        raise SamplingParamsError("priority", "priority must fit in a signed 64-bit integer")
+
+
 class Processor:
     """Tokenizes and validates requests for one engine's model."""
 
@@ -87,6 +93,7 @@ class Processor:
     ) -> AddRequest:
         """Validate a pooling request: the model embeds, the prompt fits the context."""
         self.check_task(params.task)
+        check_priority(priority)
         params.validate()
         num_prompt = len(prompt.prompt_token_ids)
         if num_prompt == 0:
@@ -148,6 +155,7 @@ class Processor:
     ) -> tuple[SamplingParams, list[AddRequest]]:
         """Validate and fan out; returns the effective params and the engine requests."""
         self.check_task("generate")
+        check_priority(priority)
         num_prompt = len(prompt.prompt_token_ids)
         if num_prompt == 0:
             raise SamplingParamsError("prompt", "the prompt is empty")

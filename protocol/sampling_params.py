@@ -131,6 +131,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(
             self.top_k >= 0, "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}"
         )
+        _check(self.top_k <= _INT64_MAX, "top_k", "top_k must fit in a signed 64-bit integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         _check(
             -2.0 <= self.presence_penalty <= 2.0,

@@ -190,6 +190,21 @@ def test_pooling_route(embed_server: str) -> None:
 @pytest.mark.parametrize(
     ("path", "body"),
     [
+        ("/v1/embeddings", {"input": "hi", "priority": 2**64 + 5}),
+        ("/v1/score", {"text_1": "a", "text_2": ["b"], "priority": 2**64 + 5}),
+        ("/rerank", {"query": "a", "documents": ["b"], "priority": -(2**70)}),
+    ],
+)
+def test_priority_past_64_bits_is_a_400(embed_server: str, path: str, body: object) -> None:
+    """Found by the fuzzer: such a priority reached the engine socket's encoder (500)."""
+    r = httpx.post(embed_server + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "priority"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/chat/completions/batch", [{"messages": [{"role": "user", "content": "hi"}]}]),

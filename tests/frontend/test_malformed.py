@@ -47,6 +47,12 @@ CASES: list[tuple[str, Any]] = [
     ("/v1/completions", {"model": M, "prompt": "x", "stop": ["s"] * 100000}),
     ("/v1/completions", {"model": M, "prompt": "word " * 5000}),
     ("/v1/chat/completions", {"model": M, "messages": USER, "seed": 10**30}),
+    # integers past 64 bits that used to reach the engine socket's encoder (500)
+    ("/v1/chat/completions", {"model": M, "messages": USER, "priority": 2**64 + 5}),
+    ("/v1/completions", {"model": M, "prompt": "x", "priority": -(2**70)}),
+    ("/v1/chat/completions", {"model": M, "messages": USER, "top_k": 2**64 + 5}),
+    ("/v1/responses", {"model": M, "input": "x", "top_k": 2**65}),
+    ("/v1/responses", {"model": M, "input": "x", "priority": 2**65}),
     ("/v1/responses", {"model": M, "input": "x", "max_output_tokens": -1}),
     ("/v1/messages", {"model": M, "max_tokens": 10**9, "messages": USER}),
     ("/detokenize", {"model": M, "tokens": [-5]}),
