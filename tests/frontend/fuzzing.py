@@ -136,11 +136,16 @@ def fuzz_operation(
 
 
 def fuzz_all(
-    base_url: str, max_examples: int, report: Callable[[RouteResult], None] | None = None
+    base_url: str,
+    max_examples: int,
+    report: Callable[[RouteResult], None] | None = None,
+    routes: list[str] | None = None,
 ) -> list[RouteResult]:
     results = []
     model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     for op in operations(base_url):
+        if routes and op.path not in routes:
+            continue
         res = fuzz_operation(base_url, op, max_examples, model)
         results.append(res)
         if report is not None:
