@@ -115,6 +115,13 @@ def test_preemption_replays_the_grammar(engine: EngineCore) -> None:
     batch = requests(engine)
     roomy = run_to_completion(engine, batch).records
     tight_engine = make_engine(num_blocks=6, max_model_len=64)
+    # Compile first (the compile children start on first use, in seconds): with the
+    # grammars cached every request is schedulable at once and they contend for blocks.
+    for add in batch:
+        if add.sampling_params.structured_outputs is not None:
+            tight_engine.structured_output.compile_async(
+                add.sampling_params.structured_outputs
+            ).result(timeout=120)
     run = run_to_completion(tight_engine, batch)
     assert tight_engine.scheduler.num_preemptions > 0
     for rid, record in run.records.items():
