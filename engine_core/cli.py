@@ -9,13 +9,6 @@ import shutil
 import signal
 import sys
 
-# Before torch loads its OpenMP runtime, which reads this once. OpenMP's default
-# spins idle threads at every barrier; next to the API server on a few cores (or
-# any other busy process) a spinning thread steals the core its peer needs, and
-# a decode step was measured 5-20x slower. PASSIVE threads sleep instead. A
-# value the user set wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from engine_core.addresses import default_ipc_address, split_address
 from engine_core.args import add_engine_args, engine_config_from_args
 
