@@ -18,8 +18,7 @@ from protocol.sampling_params import SamplingParams
 from tests.engine_core.helpers import NUM_THREADS, greedy_params, random_prompts, run_to_completion
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_models: dict[str, Path]) -> EngineCore:
+def tiny_engine(tiny_models: dict[str, Path]) -> EngineCore:
     config = EngineConfig(
         model=str(tiny_models["llama"]),
         dtype="float32",
@@ -28,6 +27,11 @@ def engine(tiny_models: dict[str, Path]) -> EngineCore:
         num_threads=NUM_THREADS,
     )
     return EngineCore(config)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models: dict[str, Path]) -> EngineCore:
+    return tiny_engine(tiny_models)
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +138,7 @@ def _rss_bytes() -> int:
 
 def test_cpu_kv_cache_is_resident_from_the_start(tiny_models: dict[str, Path]) -> None:
     """The KV budget is in RSS once allocated, not page by page as blocks are first used."""
-    config = EngineConfig(
-        model=str(tiny_models["llama"]),
-        dtype="float32",
-        kv_cache_memory_bytes=4 << 20,
-        max_model_len=64,
-        num_threads=NUM_THREADS,
-    )
-    runner = EngineCore(config).executor.runner
+    runner = tiny_engine(tiny_models).executor.runner
     budget = 256 << 20
     num_blocks = budget // runner.kv_bytes_per_block()
     # Hand freed heap pages back first: earlier tests' freed memory is still
