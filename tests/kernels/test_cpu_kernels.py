@@ -7,7 +7,7 @@ import torch
 
 from engine_core.attention import decode_attention, reference_attention
 from kernels import cpu_ops
-from kernels.linear import Linear, reference_linear
+from kernels.linear import Linear, padded_rows, reference_linear
 
 needs_compiled = pytest.mark.skipif(
     cpu_ops.load_cpu_ops() is None, reason="no C++ compiler for the CPU kernels"
@@ -90,7 +90,7 @@ def test_paged_decode_attention_rejects_bad_shapes() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [1, 7, 9, 64, 65, 130])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_reference(dtype: torch.dtype, rows: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -101,6 +101,16 @@ def test_linear_matches_reference(dtype: torch.dtype, rows: int, bias: bool) -> 
     ref = reference_linear(x, w, b)
     assert out.shape == (rows, 96)
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_padded_rows_are_few_and_waste_little() -> None:
+    buckets = [padded_rows(m) for m in range(1, 16385)]
+    assert all(b >= m for m, b in enumerate(buckets, 1))
+    assert all(b - m < 8 for m, b in enumerate(buckets[:64], 1))  # bandwidth-bound sizes
+    assert all(b <= m * 1.125 for m, b in enumerate(buckets[64:], 65))
+    assert buckets[:8] == list(range(1, 9))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) <= 80  # so oneDNN's per-shape caches stay small
 
 
 def reference_add_rms_norm(
