@@ -34,6 +34,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["gguf"],
+        help="gguf: also keep a GGUF model's 4-bit weights and run batches of 1-2 on them "
+        "(CPU; about 2x faster single-stream decode)",
+    )
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -117,6 +125,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         model=ns.model,
         served_model_name=ns.served_model_name,
         dtype=ns.dtype,
+        quantization=ns.quantization,
         device=ns.device,
         max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs,

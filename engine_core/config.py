@@ -17,6 +17,9 @@ class EngineConfig:
     model: str | None = None  # GGUF file, HF directory, or None for the default
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # "gguf": besides the dense weights, keep a GGUF model's 4-bit linear
+    # weights and run batches of 1-2 rows on them (CPU). None: dense only.
+    quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -47,6 +50,8 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(f"quantization must be gguf or unset, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

@@ -25,8 +25,9 @@ from engine_core.pooler import finish, pool_flat
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
 from engine_core.sleep import ParkedWeights, release_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
-from engine_core.weights import load_weights
+from engine_core.weights import load_int4_weights, load_weights
 from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
+from kernels.linear import int4_available
 from kernels.lora import lora_groups
 from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
@@ -90,8 +91,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        weights = load_weights(model_config)
-        self.model = LlamaModel(model_config, weights, self.dtype, self.device)
+        self.model = self._load_model()
         self.block_size = config.block_size
         # CUDA runs the Triton kernels (the model picks them by the same test).
         self.use_triton = self.device.type == "cuda"
@@ -116,6 +116,13 @@ class ModelRunner:
             and model_config.head_dim in SUPPORTED_HEAD_DIMS
             and load_cpu_ops() is not None
         )
+
+    def _load_model(self) -> LlamaModel:
+        int4 = None
+        if self.config.quantization == "gguf" and self.device.type == "cpu" and int4_available():
+            int4 = load_int4_weights(self.model_config)
+        weights = load_weights(self.model_config)
+        return LlamaModel(self.model_config, weights, self.dtype, self.device, int4)
 
     # ------------------------------------------------------------- KV cache
 
@@ -219,9 +226,7 @@ class ModelRunner:
             self._parked.restore()
             self._parked = None
         elif self.model is None:
-            self.model = LlamaModel(
-                self.model_config, load_weights(self.model_config), self.dtype, self.device
-            )
+            self.model = self._load_model()
 
     @property
     def weights_offloaded(self) -> bool:

@@ -119,6 +119,48 @@ def _dequantize_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
+_INT4_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def load_int4_weights(config: ModelConfig) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The GGUF's 4-bit linear weights as stored, for `--quantization gguf`.
+
+    Each Q4_0 / Q4_1 tensor becomes (q [out, in] uint8 in 0..15, scale and
+    zero [out, in / 32] float32) with w = (q - 8) * scale + zero: exactly the
+    values `load_weights` dequantizes. Other tensor types are left out (those
+    linears stay on the dense path).
+    """
+    from gguf import GGMLQuantizationType
+
+    if not config.is_gguf:
+        raise ModelLoadError("--quantization gguf needs a GGUF model file")
+    reader = open_gguf(config.path)
+    permute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    kinds = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for tensor in reader.tensors:
+        name = _gguf_short_name(tensor.name)
+        if name is None or tensor.tensor_type not in kinds:
+            continue
+        if name.split(".")[-2] not in _INT4_LINEARS:
+            continue
+        raw = np.asarray(tensor.data)
+        blocks = raw.reshape(raw.shape[0], -1, kinds[tensor.tensor_type])
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = blocks[..., -16:]  # element j in the low nibble of byte j, j + 16 in the high
+        q = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(raw.shape[0], -1)
+        if tensor.tensor_type == GGMLQuantizationType.Q4_1:  # w = d * q + m
+            zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            zero = zero + 8 * scale
+        else:  # Q4_0: w = d * (q - 8)
+            zero = np.zeros_like(scale)
+        if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            q, scale, zero = (_undo_rotary_permute(a, heads) for a in (q, scale, zero))
+        out[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, zero))
+    return out
+
+
 def _gguf_short_name(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4:

@@ -16,6 +16,8 @@ batch sizes up to 8 and at round sizes), and the padding is sliced off.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,41 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return True
 
 
+# Row counts up to this run on a Linear's 4-bit weights when it has them: at
+# batch 1-2 a step streams every weight from memory, and 4-bit weights are a
+# quarter of the bytes; from about 4 rows up the bf16 GEMM is faster.
+INT4_MAX_ROWS = 2
+
+
+@dataclass
+class Int4Weight:
+    """4-bit weights in groups along the input dimension, in torch's CPU int4
+    layout: w = (q - 8) * scale + zero, with q in 0..15. Scales and zeros are
+    float32, so a GGUF Q4_0 / Q4_1 tensor's values are represented exactly."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor  # [in / group, out, 2]
+    group: int
+
+
+def int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Weight:
+    """q [out, in] integers in 0..15; scale and zero [out, in / group]."""
+    group = q.shape[1] // scale.shape[1]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().float()
+    return Int4Weight(packed, scales_zeros, group)
+
+
+def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x [rows, in] @ w^T in float32, cast back to x's dtype."""
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.float(), w.packed, w.group, w.scales_zeros)
+    return out.to(x.dtype)
+
+
 def padded_rows(m: int) -> int:
     """The bucket m rows run at: m itself up to 8, then multiples of 8 up to 64,
     then 8 evenly spaced sizes per power of two."""
@@ -52,9 +89,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class Linear:
     """y = x W^T (+ b), with W [out, in] packed when that is faster."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        int4: Int4Weight | None = None,
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        # The same weights in 4 bits, for the smallest batches (--quantization gguf).
+        self.int4 = int4
         self.packed = _can_pack(weight)
         if self.packed:
             self.weight = pack_weight(weight)
@@ -63,6 +107,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] → [num_tokens, out]
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            out = int4_matmul(x, self.int4)
+            return out if self.bias is None else out + self.bias
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]

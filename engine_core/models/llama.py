@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from engine_core.attention import AttentionMetadata, paged_attention
 from engine_core.model_config import ModelConfig, ModelLoadError
 from kernels import cpu_ops
-from kernels.linear import Linear
+from kernels.linear import Int4Weight, Linear, pack_int4
 
 if TYPE_CHECKING:
     from engine_core.lora import LoRABatch
@@ -77,6 +77,7 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device,
+        int4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -104,7 +105,17 @@ class LlamaModel:
             self.lm_head = Linear(self.embed_tokens)
         else:
             raise ModelLoadError(f"{config.path}: weight lm_head.weight is missing")
-        self.layers = [self._load_layer(i, take) for i in range(config.num_layers)]
+        int4 = int4_weights or {}
+
+        def take_int4(*names: str) -> Int4Weight | None:
+            """The named linears' 4-bit weights fused along the output, if all have them."""
+            parts = [int4.pop(name, None) for name in names]
+            if device.type != "cpu" or any(p is None for p in parts):
+                return None
+            q, scale, zero = (torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[index]
+            return pack_int4(q, scale, zero)
+
+        self.layers = [self._load_layer(i, take, take_int4) for i in range(config.num_layers)]
         # The backend follows the device: Triton kernels on CUDA, torch on the CPU.
         self.use_triton = device.type == "cuda"
         # Fused elementwise kernels for half precision on the CPU. float32 keeps
@@ -120,7 +131,12 @@ class LlamaModel:
         self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
         self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
 
-    def _load_layer(self, i: int, take: Callable[[str], torch.Tensor]) -> DecoderLayer:
+    def _load_layer(
+        self,
+        i: int,
+        take: Callable[[str], torch.Tensor],
+        take_int4: Callable[..., Int4Weight | None],
+    ) -> DecoderLayer:
         cfg = self.config
         p = f"layers.{i}."
         qkv = torch.cat(
@@ -139,13 +155,15 @@ class LlamaModel:
             )
         return DecoderLayer(
             input_layernorm=take(p + "input_layernorm.weight"),
-            qkv_proj=Linear(qkv, qkv_bias),
-            o_proj=Linear(take(p + "o_proj.weight")),
+            qkv_proj=Linear(qkv, qkv_bias, take_int4(*(f"{p}{n}_proj.weight" for n in "qkv"))),
+            o_proj=Linear(take(p + "o_proj.weight"), None, take_int4(p + "o_proj.weight")),
             post_attention_layernorm=take(p + "post_attention_layernorm.weight"),
             gate_up_proj=Linear(
-                torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])
+                torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
+                None,
+                take_int4(p + "gate_proj.weight", p + "up_proj.weight"),
             ),
-            down_proj=Linear(take(p + "down_proj.weight")),
+            down_proj=Linear(take(p + "down_proj.weight"), None, take_int4(p + "down_proj.weight")),
             q_norm=take(p + "q_norm.weight") if cfg.qk_norm else None,
             k_norm=take(p + "k_norm.weight") if cfg.qk_norm else None,
         )
