@@ -39,8 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         choices=["gguf"],
-        help="gguf: also keep a GGUF model's 4-bit weights and run batches of 1-2 on them "
-        "(CPU; about 2x faster single-stream decode)",
+        help="gguf: also keep a GGUF model's 4-bit weights and run steps of up to 6 tokens "
+        "on them (CPU, bfloat16)",
     )
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-model-len", type=int, default=None)

@@ -18,7 +18,7 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # "gguf": besides the dense weights, keep a GGUF model's 4-bit linear
-    # weights and run batches of 1-2 rows on them (CPU). None: dense only.
+    # weights and run steps of up to 6 tokens on them (CPU, bfloat16). None: dense only.
     quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None

@@ -110,10 +110,10 @@ class LlamaModel:
         def take_int4(*names: str) -> Int4Weight | None:
             """The named linears' 4-bit weights fused along the output, if all have them."""
             parts = [int4.pop(name, None) for name in names]
-            if device.type != "cpu" or any(p is None for p in parts):
+            if device.type != "cpu" or dtype != torch.bfloat16 or any(p is None for p in parts):
                 return None
             q, scale, zero = (torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[index]
-            return pack_int4(q, scale, zero)
+            return pack_int4(q, scale, zero, dtype)
 
         self.layers = [self._load_layer(i, take, take_int4) for i in range(config.num_layers)]
         # The backend follows the device: Triton kernels on CUDA, torch on the CPU.

@@ -1,4 +1,4 @@
-"""--quantization gguf: batches of 1-2 rows run on the GGUF file's own 4-bit
+"""--quantization gguf: steps of up to 6 tokens run on the GGUF file's own 4-bit
 weights (the default model is Q4_1), larger ones on the dense copy."""
 
 from __future__ import annotations
@@ -9,10 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_core.config import EngineConfig
+from engine_core.engine import EngineCore
 from engine_core.model_config import ModelLoadError, default_model_path, load_model_config
 from engine_core.weights import load_int4_weights, load_weights
 from frontend import LLM, SamplingParams
 from kernels.linear import int4_available
+from tests.engine_core.helpers import NUM_THREADS
+from tests.engine_core.test_sleep import check_sleep_cycle
 
 pytestmark = [
     pytest.mark.slow,
@@ -70,3 +74,20 @@ def test_gguf_quantization_tracks_float32_engine() -> None:
             if a != b:
                 break  # the sequences have diverged on a near tie
     assert compared >= 16
+
+
+def test_sleep_restores_the_4bit_weights(tmp_path: Path) -> None:
+    """Level 1 parks the packed 4-bit tensors with the rest and puts them back
+    byte for byte; level 2 reloads them from the file."""
+    config = EngineConfig(
+        dtype="bfloat16",
+        quantization="gguf",
+        kv_cache_memory_bytes=16 << 20,
+        max_model_len=256,
+        num_threads=NUM_THREADS,
+        sleep_offload_dir=str(tmp_path),
+    )
+    engine = EngineCore(config)
+    layer = engine.executor.runner.model.layers[0]
+    assert layer.qkv_proj.int4 is not None and layer.down_proj.int4 is not None
+    check_sleep_cycle(engine, tmp_path)  # decode of 2 sequences: the 4-bit path
