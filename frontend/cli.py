@@ -91,6 +91,14 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="a connection whose request headers are not complete this long gets 408 and is closed",
     )
     g.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request whose body is not complete this long after its headers gets 408 and its "
+        "connection is closed",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -141,6 +149,7 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
     if ns.max_inflight_requests is not None:
         argv += ["--max-inflight-requests", str(ns.max_inflight_requests)]
     argv += ["--http-header-timeout", str(ns.http_header_timeout)]
+    argv += ["--http-body-timeout", str(ns.http_body_timeout)]
     argv += ["--shutdown-timeout", str(ns.shutdown_timeout)]
     return argv
 
@@ -222,7 +231,7 @@ async def serve(ns: argparse.Namespace) -> int:
             log_level=ns.uvicorn_log_level,
             loop="none",
             timeout_graceful_shutdown=5,
-            http=header_timeout_protocol(ns.http_header_timeout),
+            http=header_timeout_protocol(ns.http_header_timeout, ns.http_body_timeout),
         )
     )
     loop = asyncio.get_running_loop()

@@ -70,7 +70,11 @@ class BodyGuard:
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # the client left before sending its body
+                # The client left (or the body deadline closed the connection)
+                # before the body was complete. Nobody reads this answer, but
+                # the middlewares above expect one and would log an error.
+                await self._refuse(scope, send, APIError(408, "the request body did not arrive"))
+                return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:

@@ -495,3 +495,19 @@ def test_children_of_a_killed_pagoda_do_not_outlive_it() -> None:
     finally:
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+def test_client_leaving_mid_body_is_not_an_error(server: Server) -> None:
+    """A body cut short (the client left, or the body deadline closed the
+    connection) ends the request quietly: no traceback, nothing else hurt."""
+    port = int(server.base_url.rsplit(":", 1)[1])
+    api_log = server.procs.logs[1]
+    before = api_log.read_text(errors="replace").count("Traceback")
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n"
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(head + b'{"messages": [')
+            time.sleep(0.2)
+    _completion_works(server.base_url)
+    time.sleep(0.5)
+    assert api_log.read_text(errors="replace").count("Traceback") == before
