@@ -17,11 +17,12 @@ import torch
 
 from engine_core.attention import AttentionMetadata, PrefillSeq
 from engine_core.config import EngineConfig
-from engine_core.lora import LoRAAdapter, LoRABatch, LoRAStacks, load_adapter
+from engine_core.lora import LoRAAdapter, LoRABatch, LoRAStacks
 from engine_core.model_config import ModelConfig, default_pooler
 from engine_core.models.llama import LlamaModel
 from engine_core.plan import NewRequestData, SchedulePlan, StepResult
 from engine_core.pooler import finish, pool_flat
+from engine_core.runner_utilities import RunnerUtilities
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
 from engine_core.sleep import ParkedWeights, release_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
@@ -81,8 +82,8 @@ class CachedRequestState:
     lora_slot: int = 0  # the adapter slot its tokens use (0: none)
 
 
-class ModelRunner:
-    """Weights, KV cache and the forward pass for one device."""
+class ModelRunner(RunnerUtilities):
+    """Weights, KV cache and the forward pass for one device; control calls in RunnerUtilities."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.config = config
@@ -199,56 +200,6 @@ class ModelRunner:
         self.kv_caches = []
         self.requests.clear()
         release_freed_memory(self.device)
-
-    # ----------------------------------------------------------- sleep mode
-
-    def offload_weights(self, keep_copy: bool, spill_dir: str | None = None) -> None:
-        """Take the weights out of memory; keep an exact copy (level 1) or not (level 2)."""
-        if self.model is None:
-            return  # already dropped
-        if self._parked is not None:
-            if not keep_copy:  # level 2 after level 1: forget the copy too
-                self._parked.discard()
-                self._parked = None
-                self.model = None  # type: ignore[assignment]
-                release_freed_memory(self.device)
-            return
-        if keep_copy:
-            self._parked = ParkedWeights(self.model, self.device, spill_dir)
-            logger.info("weights parked (%.0f MiB)", self._parked.nbytes / 2**20)
-        else:
-            self.model = None  # type: ignore[assignment]
-            release_freed_memory(self.device)
-
-    def reload_weights(self) -> None:
-        """Undo offload_weights: restore the parked copy or rebuild from the model file."""
-        if self._parked is not None:
-            self._parked.restore()
-            self._parked = None
-        elif self.model is None:
-            self.model = self._load_model()
-
-    @property
-    def weights_offloaded(self) -> bool:
-        return self._parked is not None or self.model is None
-
-    # ----------------------------------------------------------------- LoRA
-
-    def register_lora(self, name: str, path: str) -> int:
-        """Read and check an adapter into host memory; returns its rank (LoRAError if bad)."""
-        if self.lora_stacks is None:
-            raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
-        adapter = load_adapter(path, self.model_config, self.config.max_lora_rank)
-        self.lora_adapters[name] = adapter
-        return adapter.rank
-
-    def unregister_lora(self, name: str) -> None:
-        self.lora_adapters.pop(name, None)
-
-    def load_lora(self, slot: int, name: str) -> None:
-        """Copy a registered adapter into a device slot."""
-        assert self.lora_stacks is not None
-        self.lora_stacks.load(slot, self.lora_adapters[name])
 
     # -------------------------------------------------------------- execute
 

@@ -3,12 +3,13 @@
 Routes follow the tasks the engine's Ready lists: generation routes for
 "generate", the pooling routes (embeddings, pooling, score, rerank) for
 "embed". The routes of a task the model lacks answer 400 naming its tasks.
+The engine-control routes live in `serving_admin.py`, the key checks in
+`security.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -18,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from frontend.api.body_guard import BodyGuard
@@ -32,6 +33,8 @@ from frontend.api.errors import (
 )
 from frontend.api.mcp_tools import ToolServer
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
+from frontend.api.security import install_auth
+from frontend.api.serving_admin import build_router as build_admin_router
 from frontend.api.serving_anthropic import build_router as build_anthropic_router
 from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
@@ -42,49 +45,10 @@ from frontend.api.serving_pooling import build_router as build_pooling_router
 from frontend.api.serving_responses import build_router as build_responses_router
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
-from frontend.dp_client import DPClient
 from frontend.engine_client import EngineDeadError, UtilityError
 from frontend.metrics import EngineStatsCollector, FrontendMetrics
 
 VERSION = "0.1.0"
-_OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
-# Engine-control routes: when --admin-api-key is set they need it (and not --api-key).
-_ADMIN_PATHS = {
-    "/collective_rpc",
-    "/sleep",
-    "/wake_up",
-    "/wake-up",
-    "/reset_prefix_cache",
-    "/reset-prefix-cache",
-    "/start_profile",
-    "/start-profile",
-    "/stop_profile",
-    "/stop-profile",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-}
-# What POST /collective_rpc may call on the engine; anything else is a 400.
-ADMIN_RPC_METHODS = frozenset(
-    {
-        "get_stats",
-        "check_invariants",
-        "reset_prefix_cache",
-        "sleep",
-        "wake_up",
-        "is_sleeping",
-        "ping",
-        "echo",
-    }
-)
-MAX_RPC_TIMEOUT_S = 600.0
-# HTTP status of a failed engine utility call, by UtilityError.kind.
-_UTILITY_STATUS = {
-    "unknown_method": 400,
-    "invalid": 400,
-    "not_found": 404,
-    "busy": 409,
-    "failed": 500,
-}
 
 _CHAT_REF = {"$ref": "#/components/schemas/ChatCompletionRequest"}
 _BATCH_BODY = {
@@ -164,32 +128,7 @@ def build_app(
             400, f"The model `{served[0]}` does not support the {task!r} task; it supports {tasks}"
         )
 
-    open_paths = _OPEN_PATHS - ({"/metrics"} if config.metrics_require_auth else set())
-    if config.api_keys or config.admin_api_key:
-        keys = [k.encode() for k in config.api_keys]
-        admin_key = config.admin_api_key.encode() if config.admin_api_key else None
-
-        @app.middleware("http")
-        async def _auth(
-            request: Request, call_next: Callable[[Request], Awaitable[Response]]
-        ) -> Response:
-            path = request.url.path
-            if request.method == "OPTIONS" or path in open_paths:
-                return await call_next(request)
-            header = request.headers.get("authorization", "")
-            token = (
-                header[7:]
-                if header.lower().startswith("bearer ")
-                else (request.headers.get("x-api-key", ""))
-            ).encode()
-            is_admin = path in _ADMIN_PATHS or path.startswith("/v1/loras")
-            if admin_key is not None and is_admin:
-                # Constant-time, and the admin key only: an API key is not enough here.
-                if not hmac.compare_digest(token, admin_key):
-                    return error_response(request, APIError(401, "invalid or missing admin key"))
-            elif keys and not any(hmac.compare_digest(token, k) for k in keys):
-                return error_response(request, APIError(401, "invalid or missing API key"))
-            return await call_next(request)
+    install_auth(app, config.api_keys, config.admin_api_key, config.metrics_require_auth)
 
     if config.allowed_origins:
         app.add_middleware(
@@ -422,101 +361,5 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/stats")
-    async def stats() -> JSONResponse:
-        return JSONResponse(await engine.get_stats())
-
-    async def utility(call: Callable[[], Awaitable[Any]]) -> Any:
-        try:
-            return await call()
-        except UtilityError as e:  # the engine refused or failed: say why
-            raise APIError(_UTILITY_STATUS.get(e.kind, 500), str(e)[:300]) from None
-        except EngineDeadError as e:
-            raise unavailable(f"the engine core is not available: {e}") from None
-        except TimeoutError:
-            raise APIError(504, "the engine core did not answer in time") from None
-
-    @app.post("/reset_prefix_cache")
-    @app.post("/reset-prefix-cache", include_in_schema=False)  # alias
-    async def reset_prefix_cache() -> Response:
-        await utility(engine.reset_prefix_cache)
-        return Response(status_code=200)
-
-    @app.post("/sleep")
-    async def sleep(level: str = "1") -> Response:
-        """Level 1 frees the KV cache and parks the weights; 2 drops the weights too."""
-        if level not in ("1", "2"):
-            raise APIError(400, "level must be 1 or 2", "level")
-        await utility(lambda: engine.sleep(int(level)))
-        return Response(status_code=200)
-
-    @app.post("/wake_up")
-    @app.post("/wake-up", include_in_schema=False)  # alias of /wake_up
-    async def wake_up(request: Request) -> Response:
-        tags = request.query_params.getlist("tags") or None
-        await utility(lambda: engine.wake_up(tags))
-        return Response(status_code=200)
-
-    if config.enable_admin_api:
-
-        @app.post("/collective_rpc")
-        async def collective_rpc(request: Request) -> dict[str, Any]:
-            """{method, args, kwargs, timeout} → {"results": [one per engine core]}."""
-            body = await read_json(request)
-            if not isinstance(body, dict) or not isinstance(body.get("method"), str):
-                raise APIError(400, "expected an object with a string `method`", "method")
-            method = body["method"]
-            if method not in ADMIN_RPC_METHODS:
-                allowed = ", ".join(sorted(ADMIN_RPC_METHODS))
-                raise APIError(400, f"method {method!r} is not allowed; one of {allowed}", "method")
-            args = body.get("args") or []
-            kwargs = body.get("kwargs") or {}
-            if not isinstance(args, list):
-                raise APIError(400, "args must be a list", "args")
-            if not isinstance(kwargs, dict):
-                raise APIError(400, "kwargs must be an object", "kwargs")
-            timeout = body.get("timeout")
-            if timeout is None:
-                timeout = 30.0
-            if (
-                isinstance(timeout, bool)
-                or not isinstance(timeout, int | float)
-                or not 0 < timeout <= MAX_RPC_TIMEOUT_S
-            ):
-                raise APIError(400, f"timeout must be in (0, {MAX_RPC_TIMEOUT_S:g}]", "timeout")
-            client = engine.client
-            if isinstance(client, DPClient):  # one result per engine core
-                results = await utility(
-                    lambda: client.call_utility_all(
-                        method, *args, timeout=float(timeout), kwargs=kwargs
-                    )
-                )
-            else:
-                results = [
-                    await utility(
-                        lambda: client.call_utility(
-                            method, *args, timeout=float(timeout), kwargs=kwargs
-                        )
-                    )
-                ]
-            if method in ("sleep", "wake_up", "is_sleeping"):
-                # Keep this server's view of the engine in step without waiting for stats.
-                await utility(engine.is_sleeping)  # also records the answer
-            return {"results": results}
-
-    @app.get("/is_sleeping")
-    async def is_sleeping() -> dict[str, bool]:
-        return {"is_sleeping": await utility(engine.is_sleeping)}
-
-    @app.post("/start_profile")
-    @app.post("/start-profile", include_in_schema=False)  # alias
-    async def start_profile() -> Response:
-        await utility(engine.start_profile)
-        return Response(status_code=200)
-
-    @app.post("/stop_profile")
-    @app.post("/stop-profile", include_in_schema=False)  # alias
-    async def stop_profile() -> dict[str, str]:
-        return {"trace": await utility(engine.stop_profile)}
-
+    app.include_router(build_admin_router(engine, config.enable_admin_api))
     return app

@@ -1,0 +1,79 @@
+"""Who may call what: the API-key and admin-key checks run before every route.
+
+With --api-key set, every route but the open ones (/health, /ping, /version
+and, unless --metrics-require-auth, /metrics) needs one of the keys, as a
+bearer token or in X-API-Key. With --admin-api-key set, the engine-control
+and LoRA-admin routes need that key and only it: an API key is not enough.
+Keys are compared in constant time. CORS preflights (OPTIONS) pass through.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request, Response
+
+from frontend.api.errors import APIError, error_response
+
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# Engine-control routes: when --admin-api-key is set they need it (and not --api-key).
+ADMIN_PATHS = frozenset(
+    {
+        "/collective_rpc",
+        "/sleep",
+        "/wake_up",
+        "/wake-up",
+        "/reset_prefix_cache",
+        "/reset-prefix-cache",
+        "/start_profile",
+        "/start-profile",
+        "/stop_profile",
+        "/stop-profile",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
+)
+
+
+def is_admin_path(path: str) -> bool:
+    """Whether `path` is an admin route (the admin key guards it when one is set)."""
+    return path in ADMIN_PATHS or path.startswith("/v1/loras")
+
+
+def request_token(request: Request) -> bytes:
+    """The key a request carries: its bearer token, else its X-API-Key header."""
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].encode()
+    return request.headers.get("x-api-key", "").encode()
+
+
+def install_auth(
+    app: FastAPI,
+    api_keys: tuple[str, ...],
+    admin_api_key: str | None,
+    metrics_require_auth: bool,
+) -> None:
+    """Add the key-checking middleware to `app`; nothing when no key is configured."""
+    if not api_keys and not admin_api_key:
+        return
+    keys = [k.encode() for k in api_keys]
+    admin_key = admin_api_key.encode() if admin_api_key else None
+    open_paths = OPEN_PATHS - ({"/metrics"} if metrics_require_auth else set())
+
+    @app.middleware("http")
+    async def _auth(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        path = request.url.path
+        if request.method == "OPTIONS" or path in open_paths:
+            return await call_next(request)
+        token = request_token(request)
+        if admin_key is not None and is_admin_path(path):
+            # Constant-time, and the admin key only: an API key is not enough here.
+            if not hmac.compare_digest(token, admin_key):
+                return error_response(request, APIError(401, "invalid or missing admin key"))
+        elif keys and not any(hmac.compare_digest(token, k) for k in keys):
+            return error_response(request, APIError(401, "invalid or missing API key"))
+        return await call_next(request)
