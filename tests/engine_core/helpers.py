@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_core.engine import EngineCore
 from engine_core.model_config import ModelConfig
 from engine_core.plan import SchedulePlan, StepResult
 from protocol.messages import AddRequest, Logprobs
 from protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from frontend import LLM
 
 # One intra-op thread: the test machine has two cores that other work shares,
 # and two OpenMP threads on one free core run many times slower than one.
@@ -44,6 +48,16 @@ def random_prompts(
         [rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))]
         for _ in range(num_prompts)
     ]
+
+
+def assert_answers_paris(llm: LLM) -> None:
+    """The default model's reference answer (FACTS.md), greedy through its chat template."""
+    chat = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=12),
+        use_tqdm=False,
+    )
+    assert chat[0].outputs[0].text == "The capital of France is Paris."
 
 
 def greedy_params(max_tokens: int, **kwargs: object) -> SamplingParams:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from frontend import LLM, SamplingParams
+from tests.engine_core.helpers import assert_answers_paris
 
 pytestmark = pytest.mark.slow
 
@@ -20,12 +21,7 @@ def test_bf16_engine_tracks_float32_engine() -> None:
     for dtype in ("float32", "bfloat16"):
         llm = LLM(dtype=dtype, kv_cache_memory_bytes=64 << 20, max_model_len=512)
         results[dtype] = llm.generate(prompts, params, use_tqdm=False)
-        chat = llm.chat(
-            [{"role": "user", "content": "What is the capital of France?"}],
-            SamplingParams(temperature=0, max_tokens=12),
-            use_tqdm=False,
-        )
-        assert chat[0].outputs[0].text == "The capital of France is Paris."
+        assert_answers_paris(llm)
         del llm
     diffs = []
     for full, half in zip(results["float32"], results["bfloat16"], strict=True):

@@ -15,7 +15,7 @@ from engine_core.model_config import ModelLoadError, default_model_path, load_mo
 from engine_core.weights import load_int4_weights, load_weights
 from frontend import LLM, SamplingParams
 from kernels.linear import int4_available
-from tests.engine_core.helpers import NUM_THREADS
+from tests.engine_core.helpers import NUM_THREADS, assert_answers_paris
 from tests.engine_core.test_sleep import check_sleep_cycle
 
 pytestmark = [
@@ -56,12 +56,7 @@ def test_gguf_quantization_tracks_float32_engine() -> None:
     }.items():
         llm = LLM(kv_cache_memory_bytes=64 << 20, max_model_len=512, **args)
         outputs[name] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
-        chat = llm.chat(
-            [{"role": "user", "content": "What is the capital of France?"}],
-            SamplingParams(temperature=0, max_tokens=12),
-            use_tqdm=False,
-        )
-        assert chat[0].outputs[0].text == "The capital of France is Paris."
+        assert_answers_paris(llm)
         del llm
     compared = 0
     for full, quant in zip(outputs["float32"], outputs["gguf"], strict=True):

@@ -19,6 +19,27 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 
 
+def raw_exchange(port: int, parts: list[bytes], delay: float = 0.0, until: bytes = b"") -> bytes:
+    """Send `parts` on a raw connection (with `delay` after each); what came
+    back before the server closed it, or as soon as the reply holds `until`."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        try:
+            for part in parts:
+                s.sendall(part)
+                time.sleep(delay)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server closed first: what it said is still readable
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+                if until and until in data:
+                    break  # a complete answer on a keep-alive connection
+        except ConnectionResetError:
+            pass
+        return data
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

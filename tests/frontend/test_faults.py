@@ -41,6 +41,7 @@ from tests.frontend.servers import (
     cmdline,
     free_port,
     is_gone,
+    raw_exchange,
     start_pagoda,
     wait_healthy,
     wait_pagoda_healthy,
@@ -263,24 +264,6 @@ def _tls_client_hello() -> bytes:
     return outgoing.read()
 
 
-def _raw_exchange(port: int, parts: list[bytes], delay: float = 0.0) -> bytes:
-    """Send `parts` (with `delay` between them); what came back before the close."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        try:
-            for part in parts:
-                s.sendall(part)
-                time.sleep(delay)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server closed first: what it said is still readable
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except ConnectionResetError:
-            pass
-        return data
-
-
 # Header deadline of the API server (frontend/http_protocol.py), default 10 s.
 _HEADER_TIMEOUT_S = 10.0
 
@@ -313,7 +296,7 @@ def test_http_garbage_gets_4xx_or_a_closed_connection(server: Server) -> None:
                 s.sendall(parts[0])
             results[name] = (b"", 0.0)
             return
-        results[name] = (_raw_exchange(port, parts, delay), time.monotonic() - started)
+        results[name] = (raw_exchange(port, parts, delay), time.monotonic() - started)
 
     threads = [
         threading.Thread(target=run, args=(name, parts, delay))

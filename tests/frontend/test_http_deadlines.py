@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from frontend.http_protocol import header_timeout_protocol
-from tests.frontend.servers import free_port
+from tests.frontend.servers import free_port, raw_exchange
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.5
@@ -53,24 +53,10 @@ def port() -> Iterator[int]:
 
 
 def exchange(port: int, parts: list[bytes], delay: float) -> tuple[bytes, float]:
-    """Send the parts with `delay` between them; what came back, and when it closed."""
+    """What came back, and how long until the connection closed (or answered)."""
     started = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-        try:
-            for part in parts:
-                s.sendall(part)
-                time.sleep(delay)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-                if b'"bytes"' in data:
-                    break  # a complete answer on a keep-alive connection
-        except ConnectionResetError:
-            pass
-    return data, time.monotonic() - started
+    reply = raw_exchange(port, parts, delay, until=b'"bytes"')
+    return reply, time.monotonic() - started
 
 
 def post(length: int) -> bytes:
