@@ -6,7 +6,8 @@ values are first written into the paged cache by slot, then:
   their block tables, padded to the longest context and masked;
 - prompt chunks attend per sequence with a causal mask that starts at the
   chunk's offset, reading earlier tokens (prefix hits, earlier chunks) from
-  the cache.
+  the cache. In bfloat16 on a CPU with AVX512-BF16 the compiled kernel does
+  this too, one query row per prompt token, in the same single pass.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ class AttentionMetadata:
     # Decode attention by the compiled CPU kernel (kernels/cpu_ops.py) instead
     # of the gather-and-matmul torch path.
     compiled_decode: bool = False
+    # Prompt chunks by the compiled kernel too (bfloat16 on AVX512-BF16), set
+    # when it runs: one query row per prompt token, pointing at its
+    # sequence's row of prefill_tables and attending to the positions up to
+    # and including its own (prefill_lens). None: per-sequence SDPA.
+    prefill_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int64
+    prefill_table_rows: torch.Tensor | None = None  # [num_prefill_tokens] int64
+    prefill_lens: torch.Tensor | None = None  # [num_prefill_tokens] int64
 
 
 def write_kv(
@@ -85,6 +93,18 @@ def paged_attention(
             meta.decode_max_len,
             scale,
         )
+    if meta.prefill_tables is not None and meta.prefill_lens is not None and meta.prefills:
+        # Prompt tokens follow the decode rows, sequence after sequence.
+        out[nd:] = cpu_ops.paged_decode_attention(
+            query[nd:],
+            k_cache,
+            v_cache,
+            meta.prefill_tables,
+            meta.prefill_lens,
+            scale,
+            table_rows=meta.prefill_table_rows,
+        )
+        return out
     for seq in meta.prefills:
         q = query[seq.query_start : seq.query_start + seq.query_len]
         if seq.context_len == seq.query_len:

@@ -27,7 +27,7 @@ from engine_core.sampler import SamplingRow, prompt_logprobs, sample
 from engine_core.sleep import ParkedWeights, release_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
 from engine_core.weights import load_int4_weights, load_weights
-from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, load_cpu_ops
+from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, has_bf16_attention, load_cpu_ops
 from kernels.linear import int4_available
 from kernels.lora import lora_groups
 from protocol.pooling_params import PoolingParams
@@ -116,6 +116,11 @@ class ModelRunner(RunnerUtilities):
             self.device.type == "cpu"
             and model_config.head_dim in SUPPORTED_HEAD_DIMS
             and load_cpu_ops() is not None
+        )
+        # Prompt tokens through the same kernel: only where it has its
+        # AVX512-BF16 form, which beats per-sequence SDPA on prompts.
+        self.compiled_prefill = (
+            self.compiled_decode and self.dtype == torch.bfloat16 and has_bf16_attention()
         )
 
     def _load_model(self) -> LlamaModel:
@@ -375,6 +380,19 @@ class ModelRunner(RunnerUtilities):
         table = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
         for i, blocks in enumerate(decode_tables):
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        prefill_tables = prefill_table_rows = prefill_lens = None
+        if self.compiled_prefill and prefills:
+            assert prefills[0].query_start == len(decode_tables)
+            width = max(len(p.block_ids) for p in prefills)
+            prefill_tables = torch.zeros((len(prefills), width), dtype=torch.long)
+            for i, p in enumerate(prefills):
+                prefill_tables[i, : len(p.block_ids)] = p.block_ids
+            prefill_table_rows = torch.repeat_interleave(
+                torch.arange(len(prefills)), torch.tensor([p.query_len for p in prefills])
+            )
+            prefill_lens = torch.cat(
+                [torch.arange(p.context_len - p.query_len + 1, p.context_len + 1) for p in prefills]
+            )
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             num_decode_tokens=len(decode_tables),
@@ -383,6 +401,9 @@ class ModelRunner(RunnerUtilities):
             decode_max_len=max(decode_lens, default=0),
             prefills=prefills,
             compiled_decode=self.compiled_decode,
+            prefill_tables=prefill_tables,
+            prefill_table_rows=prefill_table_rows,
+            prefill_lens=prefill_lens,
         )
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:

@@ -76,14 +76,21 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # compiled instantiations in the .cpp
 
 
 def paged_decode_attention(
-    query: torch.Tensor,  # [batch, heads, head_dim]
+    query: torch.Tensor,  # [rows, heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [batch, max_blocks] int64
-    seq_lens: torch.Tensor,  # [batch] int64
+    block_tables: torch.Tensor,  # [num_tables, max_blocks] int64
+    seq_lens: torch.Tensor,  # [rows] int64: cached positions each query row attends to
     scale: float,
+    table_rows: torch.Tensor | None = None,  # [rows] int64: each row's table (None: row i)
 ) -> torch.Tensor:
-    """Launcher: checks shapes, dtypes and layout, then runs the compiled kernel."""
+    """Launcher: checks shapes, dtypes and layout, then runs the compiled kernel.
+
+    Each query row attends to the first seq_lens[i] positions of its block
+    table. Decode steps give one row per sequence; a prompt chunk gives one
+    row per token, all pointing at its sequence's table, with lengths that
+    grow by one (causal).
+    """
     ops = load_cpu_ops()
     if ops is None:
         raise RuntimeError("compiled CPU kernels are not available")
@@ -98,8 +105,14 @@ def paged_decode_attention(
         raise ValueError("query and caches must share a dtype")
     if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
         raise ValueError("block_tables and seq_lens must be int64")
-    if block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError("block_tables / seq_lens do not match the batch")
+    if seq_lens.shape != (batch,):
+        raise ValueError("seq_lens does not match the batch")
+    if table_rows is None:
+        if block_tables.shape[0] != batch:
+            raise ValueError("block_tables does not match the batch")
+        table_rows = _NO_ROWS
+    elif table_rows.dtype != torch.int64 or table_rows.shape != (batch,):
+        raise ValueError("table_rows must be int64 [batch]")
     if query.device.type != "cpu":
         raise ValueError("this kernel runs on the CPU")
     query = query.contiguous()
@@ -110,10 +123,20 @@ def paged_decode_attention(
         k_cache.contiguous(),
         v_cache.contiguous(),
         block_tables.contiguous(),
+        table_rows.contiguous(),
         seq_lens.contiguous(),
         float(scale),
     )
     return out
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
+
+
+def has_bf16_attention() -> bool:
+    """Whether bfloat16 attention runs on the AVX512-BF16 kernel (fast enough for prompts)."""
+    ops = load_cpu_ops()
+    return ops is not None and bool(ops.has_bf16_attention())
 
 
 def fused_add_rms_norm(
@@ -147,3 +170,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     ops.silu_and_mul(out, gate_up)
     return out
+
+
+def refine_leading_logits(
+    logits: torch.Tensor,  # [rows, vocab] float32, refined in place
+    hidden: torch.Tensor,  # [rows, dim] bfloat16
+    weight: torch.Tensor,  # [vocab, dim] bfloat16, plain layout
+    bias: torch.Tensor | None,
+    mantissa_bits: int,
+    max_per_row: int,
+) -> None:
+    """Launcher: each row's logits within one rounding step of its maximum,
+    recomputed in float32 (LlamaModel.compute_logits has the torch form)."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    if logits.dtype != torch.float32 or not hidden.dtype == weight.dtype == torch.bfloat16:
+        raise ValueError("expected float32 logits and bfloat16 hidden and weight")
+    if not (logits.is_contiguous() and hidden.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("logits, hidden and weight must be contiguous")
+    if logits.shape[0] != hidden.shape[0] or weight.shape != (logits.shape[1], hidden.shape[1]):
+        raise ValueError("shapes do not match: logits [R, V], hidden [R, D], weight [V, D]")
+    bias = _NO_BIAS if bias is None else bias.contiguous()
+    ops.refine_leading_logits(logits, hidden, weight, bias, mantissa_bits, max_per_row)
+
+
+_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)

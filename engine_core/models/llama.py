@@ -99,8 +99,14 @@ class LlamaModel:
                 f"expected {(config.vocab_size, config.hidden_size)}"
             )
         self.norm = take("norm.weight")
+        # The head's weights in the plain layout, for compute_logits' float32
+        # recomputation, when the Linear keeps them packed (and untied).
+        self.head_plain: torch.Tensor | None = None
         if "lm_head.weight" in weights:
-            self.lm_head = Linear(take("lm_head.weight"))
+            head = take("lm_head.weight")
+            self.lm_head = Linear(head)
+            if self.lm_head.packed:
+                self.head_plain = head
         elif config.tie_word_embeddings:
             self.lm_head = Linear(self.embed_tokens)
         else:
@@ -257,8 +263,48 @@ class LlamaModel:
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num, hidden] → float32 logits [num, vocab]."""
-        return self.lm_head(hidden).float()
+        """[num, hidden] → float32 logits [num, vocab].
+
+        In half precision the head's output is rounded to that dtype: steps of
+        0.125 for bfloat16 logits of 16-32, enough to tie or swap the leading
+        tokens. The logits within one such step of each row's maximum are
+        recomputed in float32 from the same weights, so greedy picks the token
+        the half-precision model ranks first.
+        """
+        logits = self.lm_head(hidden).float()
+        if hidden.dtype in _MANTISSA_BITS:
+            self._refine_leading(hidden, logits)
+        return logits
+
+    def _refine_leading(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.head_plain is not None:
+            weight = self.head_plain
+        elif self.lm_head.packed:
+            weight = self.embed_tokens  # tied
+        else:
+            weight = self.lm_head.weight
+        bias = self.lm_head.bias
+        if self.fused and hidden.dtype == torch.bfloat16:
+            cpu_ops.refine_leading_logits(
+                logits,
+                hidden.contiguous(),
+                weight,
+                bias,
+                _MANTISSA_BITS[hidden.dtype],
+                _MAX_REFINED_PER_ROW,
+            )
+            return
+        top = logits.amax(-1, keepdim=True)
+        exponent = torch.floor(torch.log2(top.abs().clamp_min(2.0**-60)))
+        step = torch.exp2(exponent - _MANTISSA_BITS[hidden.dtype])
+        near = logits >= top - step
+        # A flat row (e.g. an untrained model's) has nothing to order: skip it.
+        near &= near.sum(-1, keepdim=True) <= _MAX_REFINED_PER_ROW
+        rows, cols = torch.nonzero(near, as_tuple=True)
+        exact = (hidden[rows].float() * weight[cols].float()).sum(-1)
+        if bias is not None:
+            exact += bias[cols].float()
+        logits[rows, cols] = exact
 
     def _add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
@@ -282,6 +328,12 @@ class LlamaModel:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
+
+
+# Explicit mantissa bits of the half-precision dtypes (their rounding step).
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+# A row with more near-maximal logits than this is left as it is.
+_MAX_REFINED_PER_ROW = 64
 
 
 def _project(

@@ -1,13 +1,19 @@
-// Paged decode attention for the CPU: one query token per sequence, keys and
-// values read in place from the paged cache through each sequence's block
-// table (no gather copy). One (sequence, kv head) pair per OpenMP work item;
-// the query heads of a GQA group share each key/value row as it is read.
+// Paged attention for the CPU: each query row attends to the first len
+// positions of its block table row, keys and values read in place from the
+// paged cache (no gather copy). A decode step has one row per sequence; a
+// prompt chunk one row per token, all on its sequence's table with lengths
+// growing by one (causal). One (query row, kv head) pair per OpenMP work
+// item; the query heads of a GQA group share each key/value row as it is read.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -43,8 +49,9 @@ void decode_kernel(
     const scalar_t* __restrict__ q,       // [B, H, D]
     const scalar_t* __restrict__ k_cache, // [NB, BS, KVH, D]
     const scalar_t* __restrict__ v_cache, // [NB, BS, KVH, D]
-    const int64_t* __restrict__ tables,   // [B, MB]
-    const int64_t* __restrict__ lens,     // [B]
+    const int64_t* __restrict__ tables,   // [R, MB]
+    const int64_t* __restrict__ rows,     // [B]: each query's table row (null: row b)
+    const int64_t* __restrict__ lens,     // [B]: positions each query attends to
     int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -53,6 +60,7 @@ void decode_kernel(
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, h = item % KVH;
       const int64_t len = lens[b];
+      const int64_t* table = tables + (rows ? rows[b] : b) * MB;
       scores.resize(G * len);
       for (int64_t g = 0; g < G; ++g) {
         load_row<scalar_t, D>(q + (b * H + h * G + g) * D, &qf[g * D]);
@@ -60,7 +68,7 @@ void decode_kernel(
       }
       // Pass 1: scores = q . k for every cached position, block by block.
       for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const int64_t block = tables[b * MB + t0 / BS];
+        const int64_t block = table[t0 / BS];
         const int64_t n = std::min<int64_t>(BS, len - t0);
         for (int64_t j = 0; j < n; ++j) {
           load_row<scalar_t, D>(k_cache + ((block * BS + j) * KVH + h) * D, row);
@@ -80,7 +88,7 @@ void decode_kernel(
       // Pass 2: out = sum_t p_t * v_t.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const int64_t block = tables[b * MB + t0 / BS];
+        const int64_t block = table[t0 / BS];
         const int64_t n = std::min<int64_t>(BS, len - t0);
         for (int64_t j = 0; j < n; ++j) {
           load_row<scalar_t, D>(v_cache + ((block * BS + j) * KVH + h) * D, row);
@@ -99,15 +107,198 @@ void decode_kernel(
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bfloat16 decode with AVX512-BF16: q . k by vdpbf16ps (exact bf16 products,
+// float32 sums), a vectorized exp, and p * v in float32. The generic kernel
+// above spends most of its time on one horizontal sum per (key, head) and a
+// scalar exp per score; here 16 keys' partial sums are reduced together.
+#define PAGODA_BF16_DECODE 1
+
+// Lane j of the result: the sum of the 16 lanes of v[j].
+inline __m512 sum_lanes_x16(const __m512* v) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // c[i]'s 128-bit lane L holds the partial sums of v[4i..4i+3] over lane L.
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), Cephes' expf
+// polynomial, within 2 ulp of expf; underflows to 0 below -87.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 bf16x16_to_f32(const uint16_t* src) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// p . v for NG query heads of a group at once: out[g] = sum_t p[g][t] v[t].
+template <int NG, int NF>
+inline void weighted_sum_bf16(const uint16_t* vc, const int64_t* off, int64_t len,
+                              const float* p, int64_t p_stride, const float* inv,
+                              uint16_t* out, int64_t out_stride) {
+  __m512 acc[NG][NF];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < NF; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const uint16_t* vr = vc + off[t];
+    if (t + 16 < len)
+      for (int c = 0; c < NF * 16; c += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + 16] + c), _MM_HINT_T0);
+    __m512 vf[NF];
+    for (int c = 0; c < NF; ++c) vf[c] = bf16x16_to_f32(vr + 16 * c);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * p_stride + t]);
+      for (int c = 0; c < NF; ++c) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m512 s = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < NF; ++c) {
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], s));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * out_stride + 16 * c), (__m256i)r);
+    }
+  }
+}
+
+template <int D>
+void decode_kernel_bf16(
+    c10::BFloat16* __restrict__ out_,
+    const c10::BFloat16* __restrict__ q_,
+    const c10::BFloat16* __restrict__ k_,
+    const c10::BFloat16* __restrict__ v_,
+    const int64_t* __restrict__ tables,
+    const int64_t* __restrict__ rows,
+    const int64_t* __restrict__ lens,
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+  static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
+  constexpr int NQ = D / 32;  // bf16 vectors per row
+  constexpr int NF = D / 16;  // float vectors per row
+  const auto* q = reinterpret_cast<const uint16_t*>(q_);
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_);
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_);
+  auto* out = reinterpret_cast<uint16_t*>(out_);
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv(G);
+    std::vector<int64_t> off;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t len = lens[b];
+      const int64_t padded = (len + 15) / 16 * 16;
+      const int64_t* table = tables + (rows ? rows[b] : b) * MB;
+      scores.resize(G * padded);
+      // Element offset of each cached position's row for this kv head (the
+      // same for keys and values).
+      off.resize(len);
+      for (int64_t t0 = 0, i = 0; t0 < len; t0 += BS, ++i) {
+        const int64_t base = (table[i] * BS * KVH + h) * D;
+        const int64_t n = std::min<int64_t>(BS, len - t0);
+        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * KVH * D;
+      }
+      // Pass 1: scores = (q . k) * scale, 16 positions at a time.
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* qg = q + (b * H + h * G + g) * D;
+        __m512bh qv[NQ];
+        for (int c = 0; c < NQ; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+        float* sg = &scores[g * padded];
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+          const int64_t n = std::min<int64_t>(16, len - t0);
+          // The cache rows are scattered by block: fetch the next tile's
+          // rows now, the hardware prefetcher does not find them.
+          if (g == 0)
+            for (int64_t j = t0 + 16; j < std::min<int64_t>(t0 + 32, len); ++j)
+              for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(kc + off[j] + c), _MM_HINT_T0);
+          // Past len, a lane repeats the tile's first position (masked later).
+          __m512 part[16];
+          for (int j = 0; j < 16; ++j) {
+            __m512 a = _mm512_setzero_ps();
+            const uint16_t* kr = kc + off[t0 + (j < n ? j : 0)];
+            for (int c = 0; c < NQ; ++c)
+              a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+            part[j] = a;
+          }
+          _mm512_storeu_ps(sg + t0, _mm512_mul_ps(sum_lanes_x16(part), _mm512_set1_ps(scale)));
+        }
+      }
+      // Softmax per query head. Lanes past len in the last 16 repeat that
+      // tile's first score, so they leave the max alone; their exps are
+      // masked out of the sum. The 1 / sum is applied to the output.
+      const __mmask16 tail = static_cast<__mmask16>((1u << (len - (padded - 16))) - 1u);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = &scores[g * padded];
+        __m512 mx = _mm512_loadu_ps(sg);
+        for (int64_t t = 16; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 16) {
+          __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+          if (t == padded - 16) e = _mm512_maskz_mov_ps(tail, e);
+          _mm512_storeu_ps(sg + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      // Pass 2: out = sum_t p_t * v_t in float32, up to 4 query heads per sweep.
+      uint16_t* ob = out + (b * H + h * G) * D;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const float* p = &scores[g0 * padded];
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 4: weighted_sum_bf16<4, NF>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
+          case 3: weighted_sum_bf16<3, NF>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
+          case 2: weighted_sum_bf16<2, NF>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
+          default: weighted_sum_bf16<1, NF>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D);
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <typename scalar_t>
 void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar_t* k,
-                       const scalar_t* v, const int64_t* tables, const int64_t* lens, int64_t B,
+                       const scalar_t* v, const int64_t* tables, const int64_t* rows, const int64_t* lens, int64_t B,
                        int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+#ifdef PAGODA_BF16_DECODE
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    switch (D) {
+      case 64: return decode_kernel_bf16<64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 128: return decode_kernel_bf16<128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 32: return decode_kernel_bf16<32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 256: return decode_kernel_bf16<256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      default: break;
+    }
+  }
+#endif
   switch (D) {
-    case 64: return decode_kernel<scalar_t, 64>(out, q, k, v, tables, lens, B, H, KVH, BS, MB, scale);
-    case 128: return decode_kernel<scalar_t, 128>(out, q, k, v, tables, lens, B, H, KVH, BS, MB, scale);
-    case 32: return decode_kernel<scalar_t, 32>(out, q, k, v, tables, lens, B, H, KVH, BS, MB, scale);
-    case 256: return decode_kernel<scalar_t, 256>(out, q, k, v, tables, lens, B, H, KVH, BS, MB, scale);
+    case 64: return decode_kernel<scalar_t, 64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+    case 128: return decode_kernel<scalar_t, 128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+    case 32: return decode_kernel<scalar_t, 32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+    case 256: return decode_kernel<scalar_t, 256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
     default: TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
   }
 }
@@ -116,15 +307,24 @@ void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale) {
+                            torch::Tensor table_rows, torch::Tensor seq_lens, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = block_tables.size(1);
+  const int64_t* rows = table_rows.numel() ? table_rows.data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     dispatch_head_dim<scalar_t>(D, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
                                 k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                                block_tables.data_ptr<int64_t>(), rows, seq_lens.data_ptr<int64_t>(),
                                 B, H, KVH, BS, MB, static_cast<float>(scale));
   });
+}
+
+bool has_bf16_attention() {
+#ifdef PAGODA_BF16_DECODE
+  return true;
+#else
+  return false;
+#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -199,9 +399,55 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
   });
 }
 
+// ---------------------------------------------------------------------------
+// Half-precision logits are rounded to that dtype by the head's matmul. Each
+// row's logits within one rounding step of its maximum are recomputed here in
+// float32 from the same bfloat16 hidden state and weights (exact products,
+// float32 sums), so that rounding does not decide between leading tokens.
+
+void refine_leading_logits(torch::Tensor logits, torch::Tensor hidden, torch::Tensor weight,
+                           torch::Tensor bias, int64_t mantissa_bits, int64_t max_per_row) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && hidden.scalar_type() == at::kBFloat16 &&
+                  weight.scalar_type() == at::kBFloat16, "float32 logits, bfloat16 hidden and weight");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), dim = hidden.size(1);
+  float* lg = logits.data_ptr<float>();
+  const c10::BFloat16* hs = hidden.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* ws = weight.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bs = bias.numel() ? bias.data_ptr<c10::BFloat16>() : nullptr;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dim);
+    std::vector<int64_t> picked;
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = lg + r * vocab;
+      float top = -std::numeric_limits<float>::max();
+      for (int64_t j = 0; j < vocab; ++j) top = row[j] > top ? row[j] : top;
+      if (!(std::fabs(top) < std::numeric_limits<float>::max())) continue;
+      const float mag = std::max(std::fabs(top), 1e-30f);
+      const float step = std::ldexp(1.f, static_cast<int>(std::floor(std::log2(mag))) - static_cast<int>(mantissa_bits));
+      const float threshold = top - step;
+      picked.clear();
+      for (int64_t j = 0; j < vocab; ++j)
+        if (row[j] >= threshold) picked.push_back(j);
+      if (static_cast<int64_t>(picked.size()) > max_per_row) continue;
+      for (int64_t i = 0; i < dim; ++i) h[i] = to_f(hs[r * dim + i]);
+      for (const int64_t j : picked) {
+        const c10::BFloat16* w = ws + j * dim;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) sum += h[i] * to_f(w[i]);
+        row[j] = bs ? sum + to_f(bs[j]) : sum;
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("refine_leading_logits", &refine_leading_logits,
+        "recompute each row's near-maximal logits in float32, in place (CPU, bfloat16)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "paged decode attention over a block table (CPU)");
+        "attention of one query row per entry over its block table row (CPU)");
+  m.def("has_bf16_attention", &has_bf16_attention,
+        "whether bfloat16 attention runs on AVX512-BF16 instructions");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (CPU)");

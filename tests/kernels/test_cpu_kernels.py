@@ -82,6 +82,57 @@ def test_paged_decode_attention_matches_reference(
 
 
 @needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 5])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prompt_rows_match_causal_reference(dtype: torch.dtype, group: int, head_dim: int) -> None:
+    """Prompt chunks as one query row per token over the sequence's table row:
+    fresh prompts and chunks after cached context (a prefix hit, an earlier
+    chunk), each token attending causally."""
+    gen = torch.Generator().manual_seed(group * 7 + head_dim)
+    kv_heads, block_size = 2, 16
+    heads = kv_heads * group
+    # (context before the chunk, chunk length) per sequence
+    chunks = [(0, 1), (0, 37), (16, 16), (21, 40), (0, 130)]
+    totals = [c + n for c, n in chunks]
+    _, kc, vc, tables, _, per_seq = make_paged(
+        totals, heads, kv_heads, head_dim, block_size, dtype, gen
+    )
+    num_tokens = sum(n for _, n in chunks)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
+    rows = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(chunks)])
+    lens = torch.cat([torch.arange(c + 1, c + n + 1) for c, n in chunks])
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale, table_rows=rows)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    start = 0
+    for i, (context, n) in enumerate(chunks):
+        k = kc[per_seq[i]].flatten(0, 1)[: context + n]
+        v = vc[per_seq[i]].flatten(0, 1)[: context + n]
+        ref = reference_attention(q[start : start + n].float(), k.float(), v.float(), scale)
+        assert rel_err(out[start : start + n], ref) < tol, (context, n)
+        start += n
+
+
+@needs_compiled
+@pytest.mark.skipif(not cpu_ops.has_bf16_attention(), reason="no AVX512-BF16 kernel here")
+def test_bf16_attention_is_float32_attention_rounded_once() -> None:
+    """The AVX512-BF16 kernel multiplies bfloat16 values exactly and sums in
+    float32: its output is the float32 result rounded once, up to float32
+    summation order (here: at most one bfloat16 step on a few elements)."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [1, 15, 16, 17, 190]
+    q, kc, vc, tables, seq_lens, per_seq = make_paged(lens, 9, 3, 64, 16, torch.bfloat16, gen)
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    for i, n in enumerate(lens):
+        k = kc[per_seq[i]].flatten(0, 1)[:n].float()
+        v = vc[per_seq[i]].flatten(0, 1)[:n].float()
+        ref = reference_attention(q[i : i + 1].float(), k, v, 0.125)[0]
+        exact = out[i] == ref.bfloat16()
+        assert exact.float().mean() > 0.99, (n, exact.float().mean())
+
+
+@needs_compiled
 def test_paged_decode_attention_rejects_bad_shapes() -> None:
     q = torch.randn(2, 4, 64)
     kc = torch.randn(8, 16, 2, 64)
@@ -196,3 +247,49 @@ def test_fused_launchers_reject_bad_input() -> None:
         cpu_ops.silu_and_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="contiguous"):
         cpu_ops.silu_and_mul(torch.randn(8, 4).t())
+
+
+@needs_compiled
+@pytest.mark.parametrize("bias", [False, True])
+def test_refined_logits_order_near_ties_by_float32(bias: bool) -> None:
+    """bfloat16 logits of ~20 are rounded in steps of 0.125: here two tokens
+    tie after rounding though float32 separates them. The refinement recomputes
+    the leading logits in float32, compiled and torch forms alike."""
+    from engine_core.models.llama import _MANTISSA_BITS, _MAX_REFINED_PER_ROW, LlamaModel
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, dim, rows = 500, 64, 6
+    hidden = torch.randn(rows, dim, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(vocab, dim, generator=gen) * 0.3).to(torch.bfloat16)
+    b = (torch.randn(vocab, generator=gen) * 0.1).to(torch.bfloat16) if bias else None
+    exact = hidden.float() @ weight.float().T + (b.float() if b is not None else 0)
+    # Make token 7 and token 9 near-tied leaders of row 0: 20.03 and 20.01.
+    for token, target in ((7, 20.03), (9, 20.01)):
+        w = weight[token].float()
+        w += (target - exact[0, token]) * hidden[0].float() / hidden[0].float().square().sum()
+        weight[token] = w.to(torch.bfloat16)
+    exact = hidden.float() @ weight.float().T + (b.float() if b is not None else 0)
+    rounded = F.linear(hidden, weight, b).float()
+    results = []
+    for compiled in (True, False):
+        logits = rounded.clone()
+        if compiled:
+            cpu_ops.refine_leading_logits(
+                logits, hidden, weight, b, _MANTISSA_BITS[torch.bfloat16], _MAX_REFINED_PER_ROW
+            )
+        else:
+            model = LlamaModel.__new__(LlamaModel)
+            model.fused = False
+            model.head_plain = None
+            model.lm_head = Linear(weight, b)
+            model.lm_head.packed = False
+            model.lm_head.weight = weight
+            model._refine_leading(hidden, logits)
+        results.append(logits)
+        assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+        assert (logits[0, 7] - exact[0, 7]).abs() < 1e-4
+        # Far from the maximum nothing changes.
+        far = rounded < rounded.amax(-1, keepdim=True) - 1
+        assert torch.equal(logits[far], rounded[far])
+    assert torch.allclose(results[0], results[1], atol=1e-4)
+    assert rounded[0, 7] == rounded[0, 9]  # the tie that needed refining
