@@ -24,7 +24,7 @@ from engine_core.plan import NewRequestData, SchedulePlan, StepResult
 from engine_core.pooler import finish, pool_flat
 from engine_core.runner_utilities import RunnerUtilities
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
-from engine_core.sleep import ParkedWeights, release_freed_memory
+from engine_core.sleep import ParkedWeights, release_freed_memory, reuse_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
 from engine_core.weights import load_int4_weights, load_weights
 from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, has_bf16_attention, load_cpu_ops
@@ -92,6 +92,7 @@ class ModelRunner(RunnerUtilities):
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            reuse_freed_memory()
         self.model = self._load_model()
         self.block_size = config.block_size
         # CUDA runs the Triton kernels (the model picks them by the same test).

@@ -30,6 +30,33 @@ from kernels.linear import pack_weight
 logger = logging.getLogger(__name__)
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_STEP_MMAP_THRESHOLD = 32 << 20  # glibc's own upper bound for it
+_STEP_TRIM_THRESHOLD = 1 << 30
+
+
+def reuse_freed_memory() -> None:
+    """Keep a CPU step's freed activations for the next step (glibc).
+
+    By default glibc serves blocks above a threshold that starts at 128 KiB
+    with fresh mappings and unmaps them on free, and returns the heap's free
+    top to the OS: a prompt step allocates hundreds of MB of activations, and
+    every page of them faulted in again at each step (about 1 ms per MB on
+    this class of machine). Fixed thresholds keep that memory in the heap;
+    RSS stays at the largest step's working set, and sleep still trims it
+    (release_freed_memory). Measured on 4096-token prompt steps of the
+    default model, alternated: median 2.76-2.90 s instead of 3.11-3.15 s.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, _STEP_MMAP_THRESHOLD)
+        libc.mallopt(_M_TRIM_THRESHOLD, _STEP_TRIM_THRESHOLD)
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator's defaults stay
+
+
 def release_freed_memory(device: torch.device) -> None:
     """Hand memory that was just freed back to the OS / the CUDA driver."""
     gc.collect()
