@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_ops
 from protocol.messages import Logprobs
 from protocol.sampling_params import SamplingParams
 
@@ -44,9 +45,11 @@ def sample(
     greedy_rows = [i for i, t in enumerate(temperatures) if t == 0.0]
     random_rows = [i for i, t in enumerate(temperatures) if t != 0.0]
     token_ids = torch.empty(batch, dtype=torch.long)
-    if greedy_rows:
+    if len(greedy_rows) == batch:
+        token_ids = cpu_ops.argmax_rows(logits)
+    elif greedy_rows:
         idx = torch.tensor(greedy_rows)
-        token_ids[idx] = logits[idx].argmax(dim=-1)
+        token_ids[idx] = cpu_ops.argmax_rows(logits[idx])
     if random_rows:
         idx = torch.tensor(random_rows)
         token_ids[idx] = _sample_random(logits[idx], [rows[i] for i in random_rows])
@@ -135,7 +138,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     for j, row in enumerate(rows):
         if row.generator is not None:
             noise[j] = torch.empty(probs.shape[1]).exponential_(generator=row.generator)
-    return (probs / noise).argmax(dim=-1)
+    return cpu_ops.argmax_rows(probs / noise)
 
 
 def _gather_logprobs(

@@ -441,7 +441,52 @@ void refine_leading_logits(torch::Tensor logits, torch::Tensor hidden, torch::Te
   });
 }
 
+// ---------------------------------------------------------------------------
+// Greedy sampling: the first index of each row's maximum, as torch.argmax
+// (a NaN counts as the maximum). torch's CPU argmax runs one row at a time
+// through a scalar index-tracking loop; here the maximum is found with a
+// vectorized pass, then its first index.
+
+namespace {
+inline bool is_nan_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0;
+}
+}  // namespace
+
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "expected contiguous float32 [rows, vocab]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "empty rows");
+  auto out = torch::empty({rows}, torch::kInt64);
+  const float* lg = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = lg + r * vocab;
+      float top = row[0];
+      for (int64_t j = 1; j < vocab; ++j) top = row[j] > top ? row[j] : top;
+      const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
+      uint32_t nan_seen = 0;
+      for (int64_t j = 0; j < vocab; ++j) nan_seen |= (bits[j] & 0x7fffffffu) > 0x7f800000u;
+      const bool any_nan = nan_seen != 0;
+      int64_t found = 0;
+      for (int64_t j = 0; j < vocab; ++j) {
+        if (any_nan ? is_nan_bits(row[j]) : row[j] == top) {
+          found = j;
+          break;
+        }
+      }
+      o[r] = found;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU, float32)");
   m.def("refine_leading_logits", &refine_leading_logits,
         "recompute each row's near-maximal logits in float32, in place (CPU, bfloat16)");
   m.def("paged_decode_attention", &paged_decode_attention,

@@ -293,3 +293,22 @@ def test_refined_logits_order_near_ties_by_float32(bias: bool) -> None:
         assert torch.equal(logits[far], rounded[far])
     assert torch.allclose(results[0], results[1], atol=1e-4)
     assert rounded[0, 7] == rounded[0, 9]  # the tie that needed refining
+
+
+@needs_compiled
+def test_argmax_rows_is_torch_argmax() -> None:
+    """First index of the maximum; ties, infinities and NaN (which torch
+    counts as the maximum) as torch does."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 1000, generator=gen)
+    logits[1, [10, 600]] = 50.0  # a tie: the first wins
+    logits[2, 5] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, [700, 20]] = float("nan")
+    logits[4, 3] = 1e30
+    logits[5, 999] = 1e9  # the last column
+    logits[6] = 0.0  # a flat row
+    assert torch.equal(cpu_ops.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(cpu_ops.argmax_rows(logits[:0]), logits[:0].argmax(dim=-1))
+    with pytest.raises(ValueError, match="rows"):
+        cpu_ops.argmax_rows(torch.randn(5))
