@@ -40,10 +40,28 @@ def raw_exchange(port: int, parts: list[bytes], delay: float = 0.0, until: bytes
         return data
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(avoid: tuple[int, ...] = ()) -> int:
+    """A loopback port free now, other than those in `avoid` (ports chosen
+    for processes that have not bound them yet)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
+
+
+def engine_tcp_ports() -> tuple[int, int]:
+    """(engine port, HTTP port): a TCP engine binds its port and the next
+    one, so both must be free, and the API server's port must be neither."""
+    while True:
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port, free_port(avoid=(port, port + 1))
 
 
 @dataclass

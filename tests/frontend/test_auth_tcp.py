@@ -16,7 +16,7 @@ from tests.frontend.servers import (
     Processes,
     api_argv,
     engine_argv,
-    free_port,
+    engine_tcp_ports,
     private_server,
     wait_healthy,
 )
@@ -26,11 +26,8 @@ pytestmark = pytest.mark.slow
 
 def test_tcp_engine_with_api_key_and_health_turning_503() -> None:
     procs = Processes()
-    engine_port = free_port()
-    while engine_port + 1 == free_port():  # the engine also binds port + 1
-        engine_port = free_port()
+    engine_port, http_port = engine_tcp_ports()
     address = f"tcp://127.0.0.1:{engine_port}"
-    http_port = free_port()
     engine = procs.start(engine_argv(address, *ENGINE_FLAGS), "engine-tcp")
     procs.start(
         api_argv(address, http_port, "--api-key", "sesame", "--metrics-require-auth"), "api-tcp"

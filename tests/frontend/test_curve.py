@@ -13,7 +13,15 @@ import pytest
 
 from engine_core.curve import bind_address, generate_keys
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME
-from tests.frontend.servers import REPO, Processes, api_argv, engine_argv, free_port, wait_healthy
+from tests.frontend.servers import (
+    REPO,
+    Processes,
+    api_argv,
+    engine_argv,
+    engine_tcp_ports,
+    free_port,
+    wait_healthy,
+)
 
 
 def test_key_directory_is_private(tmp_path: Path) -> None:
@@ -35,23 +43,16 @@ def test_tcp_without_keys_binds_loopback() -> None:
     assert bind_address("ipc:///tmp/x/engine", None) == "ipc:///tmp/x/engine"
 
 
-def _engine_port() -> int:
-    port = free_port()
-    while port + 1 == free_port():  # the engine also binds port + 1
-        port = free_port()
-    return port
-
-
 @pytest.mark.slow
 def test_only_admitted_keys_connect(tmp_path: Path) -> None:
     keys = generate_keys(tmp_path / "keys")
     # Another key pair that knows the engine's public key but is not admitted.
     stranger = generate_keys(tmp_path / "stranger")
     shutil.copy(keys / "server.key", stranger / "server.key")
-    address = f"tcp://127.0.0.1:{_engine_port()}"
+    engine_port, port = engine_tcp_ports()
+    address = f"tcp://127.0.0.1:{engine_port}"
     procs = Processes()
     procs.start(engine_argv(address, *ENGINE_FLAGS, "--curve-keys", str(keys)), "engine-curve")
-    port = free_port()
     procs.start(api_argv(address, port, "--curve-keys", str(keys)), "api-curve")
     try:
         base = f"http://127.0.0.1:{port}"
@@ -60,7 +61,8 @@ def test_only_admitted_keys_connect(tmp_path: Path) -> None:
         out = c.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3)
         assert out.usage is not None and out.usage.completion_tokens == 3
         for extra in ([], ["--curve-keys", str(stranger)]):
-            argv = api_argv(address, free_port(), "--engine-timeout", "5", *extra)
+            http = free_port(avoid=(engine_port, engine_port + 1))
+            argv = api_argv(address, http, "--engine-timeout", "5", *extra)
             done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
             assert done.returncode == 3, done.stdout + done.stderr
     finally:
