@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -377,17 +378,11 @@ class ModelRunner(RunnerUtilities):
         prefills: list[PrefillSeq],
     ) -> AttentionMetadata:
         device = self.device
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        table = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
-        for i, blocks in enumerate(decode_tables):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        table = _padded_table(decode_tables)
         prefill_tables = prefill_table_rows = prefill_lens = None
         if self.compiled_prefill and prefills:
             assert prefills[0].query_start == len(decode_tables)
-            width = max(len(p.block_ids) for p in prefills)
-            prefill_tables = torch.zeros((len(prefills), width), dtype=torch.long)
-            for i, p in enumerate(prefills):
-                prefill_tables[i, : len(p.block_ids)] = p.block_ids
+            prefill_tables = _padded_table([p.block_ids for p in prefills])
             prefill_table_rows = torch.repeat_interleave(
                 torch.arange(len(prefills)), torch.tensor([p.query_len for p in prefills])
             )
@@ -415,3 +410,12 @@ class ModelRunner(RunnerUtilities):
             output_token_ids=state.output_token_ids,
             eos_token_ids=self.eos_token_ids,
         )
+
+
+def _padded_table(rows: Sequence[list[int] | torch.Tensor]) -> torch.Tensor:
+    """Block-id rows of different lengths as one int64 table, zero-padded."""
+    width = max((len(r) for r in rows), default=0)
+    table = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, blocks in enumerate(rows):
+        table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
+    return table
