@@ -336,6 +336,51 @@ namespace {
 template <typename scalar_t>
 inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
 
+// bfloat16 <-> float on raw bits, rounding to nearest even with NaN kept
+// quiet: integer operations only, so loops over a row vectorize (c10's
+// conversion branches and does not).
+inline float bf16_bits_to_f(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t f_to_bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+}
+
+inline float round_bf16(float x) { return bf16_bits_to_f(f_to_bf16_bits(x)); }
+
+void add_rms_norm_bf16(uint16_t* __restrict__ x, uint16_t* __restrict__ residual,
+                       const uint16_t* __restrict__ weight, int64_t rows, int64_t hidden,
+                       float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> r(hidden);
+    float* __restrict__ rf = r.data();
+    for (int64_t row = begin; row < end; ++row) {
+      uint16_t* __restrict__ xr = x + row * hidden;
+      uint16_t* __restrict__ rr = residual + row * hidden;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hidden; ++i) {
+        const uint16_t sum = f_to_bf16_bits(bf16_bits_to_f(rr[i]) + bf16_bits_to_f(xr[i]));
+        rr[i] = sum;
+        const float v = bf16_bits_to_f(sum);
+        rf[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i)
+        xr[i] = f_to_bf16_bits(bf16_bits_to_f(weight[i]) * round_bf16(rf[i] * inv));
+    }
+  });
+}
+
 template <typename scalar_t>
 void add_rms_norm_kernel(scalar_t* __restrict__ x, scalar_t* __restrict__ residual,
                          const scalar_t* __restrict__ weight, int64_t rows, int64_t hidden,
@@ -346,6 +391,7 @@ void add_rms_norm_kernel(scalar_t* __restrict__ x, scalar_t* __restrict__ residu
       scalar_t* xr = x + row * hidden;
       scalar_t* rr = residual + row * hidden;
       float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < hidden; ++i) {
         // residual = residual + x, rounded to the activation dtype
         const scalar_t sum = round_to<scalar_t>(to_f(rr[i]) + to_f(xr[i]));
@@ -354,9 +400,47 @@ void add_rms_norm_kernel(scalar_t* __restrict__ x, scalar_t* __restrict__ residu
         ss += r[i] * r[i];
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+#pragma omp simd
       for (int64_t i = 0; i < hidden; ++i) {
         const scalar_t normed = round_to<scalar_t>(r[i] * inv);
         xr[i] = round_to<scalar_t>(to_f(weight[i]) * to_f(normed));
+      }
+    }
+  });
+}
+
+// exp(x) as Cephes' expf (the polynomial of exp_nonpositive above), written
+// in scalar code that vectorizes under omp simd; within 2 ulp of expf.
+inline float exp_simd(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + (r + 1.f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+void silu_and_mul_bf16(uint16_t* __restrict__ out, const uint16_t* __restrict__ gate_up,
+                       int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const uint16_t* __restrict__ g = gate_up + row * 2 * inter;
+      const uint16_t* __restrict__ u = g + inter;
+      uint16_t* __restrict__ o = out + row * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gf = bf16_bits_to_f(g[i]);
+        const float act = round_bf16(gf / (1.f + exp_simd(-gf)));
+        o[i] = f_to_bf16_bits(act * bf16_bits_to_f(u[i]));
       }
     }
   });
@@ -370,9 +454,10 @@ void silu_and_mul_kernel(scalar_t* __restrict__ out, const scalar_t* __restrict_
       const scalar_t* g = gate_up + row * 2 * inter;
       const scalar_t* u = g + inter;
       scalar_t* o = out + row * inter;
+#pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
         const float gf = to_f(g[i]);
-        const scalar_t act = round_to<scalar_t>(gf / (1.f + std::exp(-gf)));
+        const scalar_t act = round_to<scalar_t>(gf / (1.f + exp_simd(-gf)));
         o[i] = round_to<scalar_t>(to_f(act) * to_f(u[i]));
       }
     }
@@ -384,6 +469,12 @@ void silu_and_mul_kernel(scalar_t* __restrict__ out, const scalar_t* __restrict_
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                         double eps) {
   const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  if (x.scalar_type() == at::kBFloat16) {
+    return add_rms_norm_bf16(reinterpret_cast<uint16_t*>(x.data_ptr<c10::BFloat16>()),
+                             reinterpret_cast<uint16_t*>(residual.data_ptr<c10::BFloat16>()),
+                             reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()),
+                             rows, hidden, static_cast<float>(eps));
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     add_rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
                                   weight.data_ptr<scalar_t>(), rows, hidden,
@@ -393,6 +484,11 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
   const int64_t inter = out.size(-1), rows = out.numel() / inter;
+  if (out.scalar_type() == at::kBFloat16) {
+    return silu_and_mul_bf16(reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
+                             reinterpret_cast<const uint16_t*>(gate_up.data_ptr<c10::BFloat16>()),
+                             rows, inter);
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_kernel<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), rows,
                                   inter);

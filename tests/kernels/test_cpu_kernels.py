@@ -238,6 +238,33 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype, rows: int) -> None:
 
 
 @needs_compiled
+def test_bf16_fused_ops_round_as_torch_does() -> None:
+    """The vectorized bfloat16 rounding: nearest even as torch's cast, NaN kept."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 576, generator=gen).bfloat16()
+    residual = torch.randn(64, 576, generator=gen).bfloat16()
+    x[3, 5] = float("nan")
+    weight = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    ref_out, ref_sum = reference_add_rms_norm(x, residual, weight, 1e-5)
+    cpu_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual.isnan(), ref_sum.isnan()) and bool(residual[3].isnan().any())
+    finite = ~ref_sum.isnan()
+    assert torch.equal(residual[finite], ref_sum[finite])
+    rows = [r for r in range(64) if r != 3]
+    same = (x[rows] == ref_out[rows]).float().mean().item()
+    assert same > 0.99  # the row's sum of squares is taken in another order
+    assert bool(x[3].isnan().all())
+
+    gate_up = (torch.randn(64, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate_up[0, 0] = float("nan")
+    out = cpu_ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    assert bool(out[0, 0].isnan())
+    assert (out[1:] == ref[1:]).float().mean().item() > 0.999
+
+
+@needs_compiled
 def test_fused_launchers_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="share a dtype"):
         cpu_ops.fused_add_rms_norm(
