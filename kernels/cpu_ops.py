@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -45,6 +46,46 @@ def _build_dir() -> Path:
     return cache_root() / "torch_extensions" / key
 
 
+_MODULE_NAME = "pagoda_cpu_ops"
+# A build takes well under a minute; a lock this old was left by a killed process.
+_STALE_LOCK_S = 600
+
+
+def _import_built(build_dir: Path) -> ModuleType | None:
+    """The module already built in build_dir, imported without torch's loader.
+
+    torch's loader takes a lock file in the build directory even when nothing
+    needs building; a process killed while holding it would leave every later
+    start waiting on it.
+    """
+    path = build_dir / f"{_MODULE_NAME}.so"
+    if not path.exists() or (build_dir / "lock").exists():
+        return None
+    try:
+        import importlib.machinery
+        import importlib.util
+
+        loader = importlib.machinery.ExtensionFileLoader(_MODULE_NAME, str(path))
+        spec = importlib.util.spec_from_file_location(_MODULE_NAME, path, loader=loader)
+        if spec is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except ImportError:
+        return None
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("removed a stale build lock left by a killed process: %s", lock)
+    except OSError:
+        pass
+
+
 def load_cpu_ops() -> ModuleType | None:
     """The compiled module, or None when it cannot be built here."""
     global _module, _failed
@@ -58,8 +99,12 @@ def load_cpu_ops() -> ModuleType | None:
 
             build_dir = _build_dir()
             os.makedirs(build_dir, exist_ok=True)
+            _module = _import_built(build_dir)
+            if _module is not None:
+                return _module
+            _clear_stale_lock(build_dir)
             _module = load(
-                name="pagoda_cpu_ops",
+                name=_MODULE_NAME,
                 sources=[str(_SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-fopenmp"],

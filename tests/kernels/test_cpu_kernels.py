@@ -339,3 +339,18 @@ def test_argmax_rows_is_torch_argmax() -> None:
     assert torch.equal(cpu_ops.argmax_rows(logits[:0]), logits[:0].argmax(dim=-1))
     with pytest.raises(ValueError, match="rows"):
         cpu_ops.argmax_rows(torch.randn(5))
+
+
+def test_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path) -> None:  # noqa: ANN001
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_ops._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    cpu_ops._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    assert cpu_ops._import_built(tmp_path) is None  # nothing built there
