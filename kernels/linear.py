@@ -3,8 +3,12 @@
 oneDNN's blocked weight layout, prepared once at load, makes bfloat16
 matmuls on this class of CPU about 1.1-1.3x faster at decode batch sizes and
 2x faster at batch 1 than `F.linear` on the plain layout, with bit-identical
-results. float32 keeps `F.linear` (MKL), the exact op transformers runs, so
-float32 parity tests compare like with like. CUDA keeps `F.linear`.
+results. float32 weights are packed too: on a 2-core AVX2 CPU oneDNN runs the
+default model's projections at 64 rows 1.1-1.5x faster than `F.linear` (MKL)
+and the 49152-wide head 1.5x faster, and 1.7x at 1 row; at 4096-row prompt
+chunks it is ~8% slower. The sums are ordered differently from MKL's, so
+float32 results differ from transformers' in the last bits (relative ~1e-7),
+well inside the parity suite's tolerances. CUDA keeps `F.linear`.
 
 oneDNN (and ideep above it) build and cache a primitive, JIT code included,
 for every distinct row count they see. A server sees thousands of different
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
