@@ -25,9 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+_PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
         return False
     if not torch.backends.mkldnn.is_available():
         return False

@@ -211,6 +211,10 @@ void decode_kernel_bf16(
       const int64_t len = lens[b];
       const int64_t padded = (len + 15) / 16 * 16;
       const int64_t* table = tables + (rows ? rows[b] : b) * MB;
+      if (len == 0) {  // nothing to attend to: zeros, as the generic kernel gives
+        std::fill(out + (b * H + h * G) * D, out + (b * H + h * G + G) * D, uint16_t{0});
+        continue;
+      }
       scores.resize(G * padded);
       // Element offset of each cached position's row for this kv head (the
       // same for keys and values).
@@ -279,6 +283,176 @@ void decode_kernel_bf16(
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// float32 decode with AVX2 (CPUs without AVX512-BF16, where float32 is the
+// default dtype): the bfloat16 kernel's scheme at 8 lanes. Scores for 8
+// positions at a time (their partial sums reduced together), a vectorized
+// exp, and p * v over 4 vectors of a row at a time so a GQA group's
+// accumulators stay in registers. A work item is a whole query row (all its
+// heads), so each cached position's keys for all kv heads are read together.
+// Per decode step of the default model at batch 64 and ~200 positions, with
+// the cache cold: 48-58 ms over 30 layers against 68-82 for the generic
+// kernel; the step reads ~570 MB of float32 keys and values, which bounds it.
+#define PAGODA_F32_AVX2_DECODE 1
+
+// Lane j of the result: the sum of the 8 lanes of v[j].
+inline __m256 sum_lanes_x8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a: [v0..v3 over lanes 0-3 | v0..v3 over lanes 4-7], b likewise for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// exp(x) for x <= 0, as exp_nonpositive: Cephes' expf polynomial times 2^n.
+inline __m256 exp_nonpositive_x8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n from its exponent bits; n >= -126 after the clamp, so it is normal.
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// out[g][c*8 ..] = inv[g] * sum_t p[g][t] v[t][c*8 ..] for NG heads and the
+// NC vectors of a row starting at vector c0.
+template <int NG, int NC>
+inline void weighted_sum_f32(const float* vc, const int64_t* off, int64_t len, int c0,
+                             const float* p, int64_t p_stride, const float* inv,
+                             float* out, int64_t out_stride) {
+  __m256 acc[NG][NC];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const float* vr = vc + off[t] + 8 * c0;
+    __m256 vf[NC];
+    for (int c = 0; c < NC; ++c) vf[c] = _mm256_loadu_ps(vr + 8 * c);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 w = _mm256_broadcast_ss(p + g * p_stride + t);
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm256_fmadd_ps(w, vf[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m256 s = _mm256_set1_ps(inv[g]);
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_ps(out + g * out_stride + 8 * (c0 + c), _mm256_mul_ps(acc[g][c], s));
+  }
+}
+
+template <int D>
+void decode_kernel_f32_avx2(
+    float* __restrict__ out,
+    const float* __restrict__ q,
+    const float* __restrict__ kc,
+    const float* __restrict__ vc,
+    const int64_t* __restrict__ tables,
+    const int64_t* __restrict__ rows,
+    const int64_t* __restrict__ lens,
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+  static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
+  constexpr int NF = D / 8;  // vectors per row
+  const int64_t G = H / KVH;
+  const int64_t row_floats = KVH * D;  // one cached position, all kv heads
+  // One query row (all its heads) per work item: a position's keys for all
+  // kv heads are adjacent, so reading them together walks each block in order.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv(H);
+    std::vector<int64_t> off;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = lens[b];
+      const int64_t padded = (len + 7) / 8 * 8;
+      const int64_t* table = tables + (rows ? rows[b] : b) * MB;
+      if (len == 0) {  // nothing to attend to: zeros, as the generic kernel gives
+        std::fill(out + b * H * D, out + (b + 1) * H * D, 0.f);
+        continue;
+      }
+      scores.resize(H * padded);
+      off.resize(len);
+      for (int64_t t0 = 0, i = 0; t0 < len; t0 += BS, ++i) {
+        const int64_t base = table[i] * BS * row_floats;
+        const int64_t n = std::min<int64_t>(BS, len - t0);
+        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * row_floats;
+      }
+      // Pass 1: scores = (q . k) * scale, 8 positions at a time.
+      for (int64_t t0 = 0; t0 < len; t0 += 8) {
+        const int64_t n = std::min<int64_t>(8, len - t0);
+        // Blocks are scattered: fetch the next tile's keys, and its values
+        // for pass 2 into L2 (1.3-1.5x faster than leaving it to the
+        // hardware prefetcher with the cache cold, as it is every layer).
+        for (int64_t j = t0 + 8; j < std::min<int64_t>(t0 + 16, len); ++j)
+          for (int64_t c = 0; c < row_floats; c += 16) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + off[j] + c), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + off[j] + c), _MM_HINT_T1);
+          }
+        for (int64_t h = 0; h < KVH; ++h) {
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = q + (b * H + h * G + g) * D;
+            // Past len, a lane repeats the tile's first position (masked later).
+            __m256 part[8];
+            for (int j = 0; j < 8; ++j) {
+              const float* kr = kc + off[t0 + (j < n ? j : 0)] + h * D;
+              __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kr));
+              for (int c = 1; c < NF; ++c)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kr + 8 * c), a);
+              part[j] = a;
+            }
+            _mm256_storeu_ps(&scores[(h * G + g) * padded + t0],
+                             _mm256_mul_ps(sum_lanes_x8(part), _mm256_set1_ps(scale)));
+          }
+        }
+      }
+      // Softmax per query head; lanes past len are zeroed after the exp.
+      const int tail = static_cast<int>(len - (padded - 8));
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+          _mm256_set1_epi32(tail), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      for (int64_t hg = 0; hg < H; ++hg) {
+        float* sg = &scores[hg * padded];
+        __m256 mx = _mm256_loadu_ps(sg);
+        for (int64_t t = 8; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx);
+        const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 8) {
+          __m256 e = exp_nonpositive_x8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));
+          if (t == padded - 8) e = _mm256_and_ps(e, keep);
+          _mm256_storeu_ps(sg + t, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_store_ps(lanes, sum);
+        float total = 0.f;
+        for (float x : lanes) total += x;
+        inv[hg] = 1.f / total;
+      }
+      // Pass 2: out = sum_t p_t * v_t, up to 3 query heads and 4 vectors per sweep.
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* vh = vc + h * D;
+        float* oh = out + (b * H + h * G) * D;
+        for (int c0 = 0; c0 < NF; c0 += 4) {
+          for (int64_t g0 = 0; g0 < G; g0 += 3) {
+            const float* p = &scores[(h * G + g0) * padded];
+            const float* iv = &inv[h * G + g0];
+            switch (std::min<int64_t>(3, G - g0)) {
+              case 3: weighted_sum_f32<3, 4>(vh, off.data(), len, c0, p, padded, iv, oh + g0 * D, D); break;
+              case 2: weighted_sum_f32<2, 4>(vh, off.data(), len, c0, p, padded, iv, oh + g0 * D, D); break;
+              default: weighted_sum_f32<1, 4>(vh, off.data(), len, c0, p, padded, iv, oh + g0 * D, D);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <typename scalar_t>
 void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar_t* k,
                        const scalar_t* v, const int64_t* tables, const int64_t* rows, const int64_t* lens, int64_t B,
@@ -290,6 +464,17 @@ void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar
       case 128: return decode_kernel_bf16<128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
       case 32: return decode_kernel_bf16<32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
       case 256: return decode_kernel_bf16<256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      default: break;
+    }
+  }
+#endif
+#ifdef PAGODA_F32_AVX2_DECODE
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    switch (D) {
+      case 64: return decode_kernel_f32_avx2<64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 128: return decode_kernel_f32_avx2<128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 32: return decode_kernel_f32_avx2<32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 256: return decode_kernel_f32_avx2<256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
       default: break;
     }
   }

@@ -133,6 +133,19 @@ def test_bf16_attention_is_float32_attention_rounded_once() -> None:
 
 
 @needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_with_nothing_to_attend_to_is_zero(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    q, kc, vc, tables, _, per_seq = make_paged([5, 40], 6, 2, 64, 16, dtype, gen)
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, torch.tensor([0, 40]), 0.125)
+    assert not out[0].any()
+    k = kc[per_seq[1]].flatten(0, 1)[:40]
+    v = vc[per_seq[1]].flatten(0, 1)[:40]
+    ref = reference_attention(q[1:2].float(), k.float(), v.float(), 0.125)[0]
+    assert rel_err(out[1], ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_compiled
 def test_paged_decode_attention_rejects_bad_shapes() -> None:
     q = torch.randn(2, 4, 64)
     kc = torch.randn(8, 16, 2, 64)
