@@ -21,13 +21,14 @@ namespace {
 
 inline float to_f(float x) { return x; }
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
-inline float to_f(c10::BFloat16 x) {
-  // bfloat16 is the top half of a float32: a shift the compiler vectorizes.
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+// bfloat16 is the top half of a float32: a shift the compiler vectorizes.
+inline float bf16_bits_to_f(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
-  std::memcpy(&f, &bits, sizeof(f));
+  std::memcpy(&f, &u, sizeof(f));
   return f;
 }
+inline float to_f(c10::BFloat16 x) { return bf16_bits_to_f(x.x); }
 
 template <typename scalar_t, int D>
 inline void load_row(const scalar_t* __restrict__ src, float* __restrict__ dst) {
@@ -513,24 +514,16 @@ bool has_bf16_attention() {
 }
 
 // ---------------------------------------------------------------------------
-// Fused elementwise ops for half-precision activations. Each keeps the
-// rounding points of the unfused torch code (HF's), so results match it.
+// Fused elementwise ops. Each keeps the rounding points of the unfused torch
+// code (HF's): in half precision every intermediate torch would store is
+// rounded to that dtype here too, so results match it; in float32 only the
+// order of the row sum differs.
 
 namespace {
 
-template <typename scalar_t>
-inline scalar_t round_to(float x) { return static_cast<scalar_t>(x); }
-
-// bfloat16 <-> float on raw bits, rounding to nearest even with NaN kept
+// float -> bfloat16 on raw bits, rounding to nearest even with NaN kept
 // quiet: integer operations only, so loops over a row vectorize (c10's
 // conversion branches and does not).
-inline float bf16_bits_to_f(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 inline uint16_t f_to_bf16_bits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
@@ -538,57 +531,66 @@ inline uint16_t f_to_bf16_bits(float x) {
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
 }
 
-inline float round_bf16(float x) { return bf16_bits_to_f(f_to_bf16_bits(x)); }
+// How an activation dtype is stored: T, load to float, store (rounding).
+struct Float32 {
+  using T = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+};
+struct BFloat16Bits {
+  using T = uint16_t;
+  static float load(uint16_t x) { return bf16_bits_to_f(x); }
+  static uint16_t store(float x) { return f_to_bf16_bits(x); }
+};
+struct Float16 {
+  using T = c10::Half;
+  static float load(c10::Half x) { return static_cast<float>(x); }
+  static c10::Half store(float x) { return static_cast<c10::Half>(x); }
+};
 
-void add_rms_norm_bf16(uint16_t* __restrict__ x, uint16_t* __restrict__ residual,
-                       const uint16_t* __restrict__ weight, int64_t rows, int64_t hidden,
-                       float eps) {
+// Calls f(Storage{}) for the tensor's dtype, with its data pointers cast to
+// Storage::T by the caller through `ptr`.
+template <typename F>
+void dispatch_storage(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(Float32{});
+    case at::kBFloat16: return f(BFloat16Bits{});
+    case at::kHalf: return f(Float16{});
+    default: TORCH_CHECK(false, op, ": expected float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+template <typename S>
+typename S::T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<typename S::T*>(t.data_ptr());
+}
+
+template <typename S>
+void add_rms_norm_kernel(typename S::T* __restrict__ x, typename S::T* __restrict__ residual,
+                         const typename S::T* __restrict__ weight, int64_t rows, int64_t hidden,
+                         float eps) {
+  using T = typename S::T;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> r(hidden);
     float* __restrict__ rf = r.data();
     for (int64_t row = begin; row < end; ++row) {
-      uint16_t* __restrict__ xr = x + row * hidden;
-      uint16_t* __restrict__ rr = residual + row * hidden;
+      T* __restrict__ xr = x + row * hidden;
+      T* __restrict__ rr = residual + row * hidden;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < hidden; ++i) {
-        const uint16_t sum = f_to_bf16_bits(bf16_bits_to_f(rr[i]) + bf16_bits_to_f(xr[i]));
+        // residual = residual + x, rounded to the activation dtype
+        const T sum = S::store(S::load(rr[i]) + S::load(xr[i]));
         rr[i] = sum;
-        const float v = bf16_bits_to_f(sum);
+        const float v = S::load(sum);
         rf[i] = v;
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i)
-        xr[i] = f_to_bf16_bits(bf16_bits_to_f(weight[i]) * round_bf16(rf[i] * inv));
-    }
-  });
-}
-
-template <typename scalar_t>
-void add_rms_norm_kernel(scalar_t* __restrict__ x, scalar_t* __restrict__ residual,
-                         const scalar_t* __restrict__ weight, int64_t rows, int64_t hidden,
-                         float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> r(hidden);
-    for (int64_t row = begin; row < end; ++row) {
-      scalar_t* xr = x + row * hidden;
-      scalar_t* rr = residual + row * hidden;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < hidden; ++i) {
-        // residual = residual + x, rounded to the activation dtype
-        const scalar_t sum = round_to<scalar_t>(to_f(rr[i]) + to_f(xr[i]));
-        rr[i] = sum;
-        r[i] = to_f(sum);
-        ss += r[i] * r[i];
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) {
-        const scalar_t normed = round_to<scalar_t>(r[i] * inv);
-        xr[i] = round_to<scalar_t>(to_f(weight[i]) * to_f(normed));
+        const float normed = S::load(S::store(rf[i] * inv));
+        xr[i] = S::store(S::load(weight[i]) * normed);
       }
     }
   });
@@ -614,36 +616,20 @@ inline float exp_simd(float x) {
   return p * scale;
 }
 
-void silu_and_mul_bf16(uint16_t* __restrict__ out, const uint16_t* __restrict__ gate_up,
-                       int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const uint16_t* __restrict__ g = gate_up + row * 2 * inter;
-      const uint16_t* __restrict__ u = g + inter;
-      uint16_t* __restrict__ o = out + row * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gf = bf16_bits_to_f(g[i]);
-        const float act = round_bf16(gf / (1.f + exp_simd(-gf)));
-        o[i] = f_to_bf16_bits(act * bf16_bits_to_f(u[i]));
-      }
-    }
-  });
-}
-
-template <typename scalar_t>
-void silu_and_mul_kernel(scalar_t* __restrict__ out, const scalar_t* __restrict__ gate_up,
+template <typename S>
+void silu_and_mul_kernel(typename S::T* __restrict__ out, const typename S::T* __restrict__ gate_up,
                          int64_t rows, int64_t inter) {
+  using T = typename S::T;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const scalar_t* g = gate_up + row * 2 * inter;
-      const scalar_t* u = g + inter;
-      scalar_t* o = out + row * inter;
+      const T* __restrict__ g = gate_up + row * 2 * inter;
+      const T* __restrict__ u = g + inter;
+      T* __restrict__ o = out + row * inter;
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
-        const float gf = to_f(g[i]);
-        const scalar_t act = round_to<scalar_t>(gf / (1.f + exp_simd(-gf)));
-        o[i] = round_to<scalar_t>(to_f(act) * to_f(u[i]));
+        const float gf = S::load(g[i]);
+        const float act = S::load(S::store(gf / (1.f + exp_simd(-gf))));
+        o[i] = S::store(act * S::load(u[i]));
       }
     }
   });
@@ -654,29 +640,18 @@ void silu_and_mul_kernel(scalar_t* __restrict__ out, const scalar_t* __restrict_
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                         double eps) {
   const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
-  if (x.scalar_type() == at::kBFloat16) {
-    return add_rms_norm_bf16(reinterpret_cast<uint16_t*>(x.data_ptr<c10::BFloat16>()),
-                             reinterpret_cast<uint16_t*>(residual.data_ptr<c10::BFloat16>()),
-                             reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()),
-                             rows, hidden, static_cast<float>(eps));
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    add_rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
-                                  weight.data_ptr<scalar_t>(), rows, hidden,
-                                  static_cast<float>(eps));
+  dispatch_storage(x.scalar_type(), "fused_add_rms_norm", [&](auto storage) {
+    using S = decltype(storage);
+    add_rms_norm_kernel<S>(ptr<S>(x), ptr<S>(residual), ptr<S>(weight), rows, hidden,
+                           static_cast<float>(eps));
   });
 }
 
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
   const int64_t inter = out.size(-1), rows = out.numel() / inter;
-  if (out.scalar_type() == at::kBFloat16) {
-    return silu_and_mul_bf16(reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
-                             reinterpret_cast<const uint16_t*>(gate_up.data_ptr<c10::BFloat16>()),
-                             rows, inter);
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_kernel<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), rows,
-                                  inter);
+  dispatch_storage(out.scalar_type(), "silu_and_mul", [&](auto storage) {
+    using S = decltype(storage);
+    silu_and_mul_kernel<S>(ptr<S>(out), ptr<S>(gate_up), rows, inter);
   });
 }
 
