@@ -217,6 +217,39 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rotary_embedding(
+    query: torch.Tensor,  # [num_tokens, heads, head_dim], rotated in place
+    key: torch.Tensor,  # [num_tokens, kv_heads, head_dim], rotated in place
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos: torch.Tensor,  # [max_positions, head_dim / 2]
+    sin: torch.Tensor,
+) -> None:
+    """Launcher: neox-style rotary embedding in place. query and key may be
+    views into one fused qkv projection (rows of any stride, heads packed)."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    if query.dim() != 3 or key.dim() != 3 or query.shape[0] != key.shape[0]:
+        raise ValueError("expected query [T, heads, d] and key [T, kv_heads, d]")
+    head_dim = query.shape[2]
+    if key.shape[2] != head_dim or head_dim % 2:
+        raise ValueError("query and key must share an even head_dim")
+    for x in (query, key):
+        if x.stride(2) != 1 or x.stride(1) != head_dim:
+            raise ValueError("heads must be packed rows of head_dim elements")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
+        raise ValueError("expected cos and sin [max_positions, head_dim / 2]")
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("cos and sin must be contiguous")
+    if not query.dtype == key.dtype == cos.dtype == sin.dtype:
+        raise ValueError("query, key, cos and sin must share a dtype")
+    if positions.dtype != torch.int64 or positions.shape != (query.shape[0],):
+        raise ValueError("positions must be int64 [num_tokens]")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise ValueError("a position is outside the rotary tables")
+    ops.rotary_embedding(query, key, positions.contiguous(), cos, sin)
+
+
 def refine_leading_logits(
     logits: torch.Tensor,  # [rows, vocab] float32, refined in place
     hidden: torch.Tensor,  # [rows, dim] bfloat16

@@ -191,15 +191,19 @@ class LlamaModel:
             )
         assert isinstance(meta, AttentionMetadata)
         hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
-        cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
-        sin = self.rope_sin[positions][:, None, :]
+        if not self.fused:
+            cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
+            sin = self.rope_sin[positions][:, None, :]
         residual = hidden
         x = self._rms_norm(residual, self.layers[0].input_layernorm)
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             q, k, v = self._qkv(layer, x, lora, i)
-            q = _apply_rope(q, cos, sin)
-            k = _apply_rope(k, cos, sin)
+            if self.fused:  # in place on the views of qkv
+                cpu_ops.rotary_embedding(q, k, positions, self.rope_cos, self.rope_sin)
+            else:
+                q = _apply_rope(q, cos, sin)
+                k = _apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
             x, residual = self._add_rms_norm(
                 _project(layer.o_proj, attn.flatten(1), lora, i, "o_proj"),

@@ -635,6 +635,38 @@ void silu_and_mul_kernel(typename S::T* __restrict__ out, const typename S::T* _
   });
 }
 
+// Neox rotary embedding in place on one head: the halves x1, x2 become
+// x1*cos - x2*sin and x2*cos + x1*sin, each product rounded to the
+// activation dtype before the sum, as torch computes it unfused.
+template <typename S>
+inline void rope_head(typename S::T* __restrict__ x, const typename S::T* __restrict__ cos,
+                      const typename S::T* __restrict__ sin, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = S::load(x[i]), x2 = S::load(x[i + half]);
+    const float c = S::load(cos[i]), s = S::load(sin[i]);
+    const float a = S::load(S::store(x1 * c)), b = S::load(S::store(x2 * s));
+    const float d = S::load(S::store(x2 * c)), e = S::load(S::store(x1 * s));
+    x[i] = S::store(a - b);
+    x[i + half] = S::store(d + e);
+  }
+}
+
+template <typename S>
+void rope_kernel(typename S::T* q, int64_t q_stride, int64_t q_heads, typename S::T* k,
+                 int64_t k_stride, int64_t k_heads, const int64_t* positions, int64_t tokens,
+                 const typename S::T* cos, const typename S::T* sin, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto* c = cos + positions[t] * half;
+      const auto* sn = sin + positions[t] * half;
+      for (int64_t h = 0; h < q_heads; ++h) rope_head<S>(q + t * q_stride + h * head_dim, c, sn, half);
+      for (int64_t h = 0; h < k_heads; ++h) rope_head<S>(k + t * k_stride + h * head_dim, c, sn, half);
+    }
+  });
+}
+
 }  // namespace
 
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
@@ -652,6 +684,15 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
   dispatch_storage(out.scalar_type(), "silu_and_mul", [&](auto storage) {
     using S = decltype(storage);
     silu_and_mul_kernel<S>(ptr<S>(out), ptr<S>(gate_up), rows, inter);
+  });
+}
+
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
+                      torch::Tensor cos, torch::Tensor sin) {
+  dispatch_storage(q.scalar_type(), "rotary_embedding", [&](auto storage) {
+    using S = decltype(storage);
+    rope_kernel<S>(ptr<S>(q), q.stride(0), q.size(1), ptr<S>(k), k.stride(0), k.size(1),
+                   positions.data_ptr<int64_t>(), q.size(0), ptr<S>(cos), ptr<S>(sin), q.size(2));
   });
 }
 
@@ -752,4 +793,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k in place (CPU)");
 }

@@ -278,6 +278,36 @@ def test_bf16_fused_ops_round_as_torch_does() -> None:
 
 
 @needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_embedding_in_place_on_qkv_views(dtype: torch.dtype) -> None:
+    """In place on the q and k views of one fused projection; v untouched.
+    Equal to the unfused torch rope (the same products rounded the same way)."""
+    from engine_core.models.llama import _apply_rope
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, head_dim = 37, 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    before = qkv.clone()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    angles = torch.outer(torch.arange(512.0), torch.rand(head_dim // 2, generator=gen))
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    ref_q = _apply_rope(q.clone(), cos[positions][:, None], sin[positions][:, None])
+    ref_k = _apply_rope(k.clone(), cos[positions][:, None], sin[positions][:, None])
+    cpu_ops.rotary_embedding(q, k, positions, cos, sin)
+    if dtype == torch.float32:
+        assert rel_err(q, ref_q) < 1e-6 and rel_err(k, ref_k) < 1e-6
+    else:
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(v, before[:, (heads + kv_heads) * head_dim :])
+    with pytest.raises(ValueError, match="outside"):
+        cpu_ops.rotary_embedding(q, k, positions + 512, cos, sin)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_ops.rotary_embedding(q, k, positions.int(), cos, sin)
+
+
+@needs_compiled
 def test_fused_launchers_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="share a dtype"):
         cpu_ops.fused_add_rms_norm(
