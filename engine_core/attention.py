@@ -28,6 +28,9 @@ class PrefillSeq:
     query_len: int
     context_len: int  # tokens in the sequence after this step
     block_ids: torch.Tensor  # [num_blocks] int64
+    # Attended by the compiled kernel (its rows are in prefill_lens) rather
+    # than by SDPA.
+    compiled: bool = False
 
 
 @dataclass
@@ -44,13 +47,17 @@ class AttentionMetadata:
     # Decode attention by the compiled CPU kernel (kernels/cpu_ops.py) instead
     # of the gather-and-matmul torch path.
     compiled_decode: bool = False
-    # Prompt chunks by the compiled kernel too (bfloat16 on AVX512-BF16), set
-    # when it runs: one query row per prompt token, pointing at its
-    # sequence's row of prefill_tables and attending to the positions up to
-    # and including its own (prefill_lens). None: per-sequence SDPA.
-    prefill_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int64
-    prefill_table_rows: torch.Tensor | None = None  # [num_prefill_tokens] int64
-    prefill_lens: torch.Tensor | None = None  # [num_prefill_tokens] int64
+    # Prompt chunks by the compiled kernel too (the PrefillSeqs marked
+    # `compiled`): one query row per prompt token, pointing at its sequence's
+    # row of prefill_tables and attending to the positions up to and
+    # including its own (prefill_lens). The rest go through per-sequence
+    # SDPA. None: no compiled prompt rows this step.
+    prefill_tables: torch.Tensor | None = None  # [num_compiled, max_blocks] int64
+    prefill_table_rows: torch.Tensor | None = None  # [num_rows] int64
+    prefill_lens: torch.Tensor | None = None  # [num_rows] int64
+    # The flat token index of each compiled row; None when they are all the
+    # tokens after the decode rows.
+    prefill_query_index: torch.Tensor | None = None  # [num_rows] int64
 
 
 def write_kv(
@@ -93,10 +100,10 @@ def paged_attention(
             meta.decode_max_len,
             scale,
         )
-    if meta.prefill_tables is not None and meta.prefill_lens is not None and meta.prefills:
-        # Prompt tokens follow the decode rows, sequence after sequence.
-        out[nd:] = cpu_ops.paged_decode_attention(
-            query[nd:],
+    if meta.prefill_tables is not None and meta.prefill_lens is not None:
+        index = meta.prefill_query_index
+        rows = cpu_ops.paged_decode_attention(
+            query[nd:] if index is None else query.index_select(0, index),
             k_cache,
             v_cache,
             meta.prefill_tables,
@@ -104,8 +111,13 @@ def paged_attention(
             scale,
             table_rows=meta.prefill_table_rows,
         )
-        return out
+        if index is None:
+            out[nd:] = rows
+        else:
+            out.index_copy_(0, index, rows)
     for seq in meta.prefills:
+        if seq.compiled:
+            continue
         q = query[seq.query_start : seq.query_start + seq.query_len]
         if seq.context_len == seq.query_len:
             # Nothing before this chunk: use the fresh keys directly.

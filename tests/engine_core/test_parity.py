@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
+from engine_core.model_runner import COMPILED_PROMPT_MAX_LEN
 from protocol.messages import AddRequest, Logprobs
 from tests.conftest import TINY_MODEL_KINDS
 from tests.engine_core.helpers import (
@@ -180,6 +181,26 @@ def test_batch_matches_hf(case: ParityCase, batch_run: EngineRun) -> None:
         assert batch_run.records[f"b{i}"].token_ids == tokens, f"prompt {i}"
     # The batch really was batched: some step decoded several requests at once.
     assert max(len(plan.num_scheduled_tokens) for plan in batch_run.plans) > 1
+
+
+def test_long_and_short_prompts_in_one_step(case: ParityCase) -> None:
+    """Prompts past COMPILED_PROMPT_MAX_LEN (per-sequence SDPA where the
+    compiled kernel has no AVX512-BF16 form) between short ones (the compiled
+    kernel), all in the same steps."""
+    if case.name != "default_gguf":
+        pytest.skip("the compiled kernels take head_dim 64, not the tiny models' 16")
+    lengths = [12, COMPILED_PROMPT_MAX_LEN + 40, 30, COMPILED_PROMPT_MAX_LEN + 1, 7]
+    prompts = [random_prompts(40 + i, 1, case.vocab_size, n, n)[0] for i, n in enumerate(lengths)]
+    max_tokens = 6
+    run = run_to_completion(
+        case.engine,
+        [AddRequest(f"m{i}", p, greedy_params(max_tokens), 0.0) for i, p in enumerate(prompts)],
+    )
+    first = run.plans[0].num_scheduled_tokens
+    assert len(first) == len(prompts), "the prompts were not prefilled in one step"
+    expected = case.references(prompts)
+    for i, tokens in enumerate(expected):
+        assert run.records[f"m{i}"].token_ids == tokens[:max_tokens], f"prompt {i}"
 
 
 def test_tiny_kv_budget_chunks_and_preempts(case: ParityCase, batch_run: EngineRun) -> None:
