@@ -1,21 +1,34 @@
-"""Microbenchmark of the compiled CPU elementwise kernels against plain torch.
+"""Microbenchmark of the compiled CPU kernels against plain torch.
 
-    python scripts/bench_cpu_kernels.py
+    python scripts/bench_cpu_kernels.py              # elementwise ops
+    python scripts/bench_cpu_kernels.py --attention  # attention (float32)
 
-Prints microseconds per call for fused add+RMSNorm (hidden 576) and
-SiLU-and-mul (intermediate 1536), the default model's sizes, at decode (64
-rows) and prefill (4096 rows) sizes, in bfloat16 and float32.
+Elementwise: microseconds per call for fused add+RMSNorm (hidden 576),
+SiLU-and-mul (intermediate 1536) and the rotary embedding (9 + 3 heads of
+64), the default model's sizes, at decode (64 rows) and prefill (4096 rows)
+sizes, in bfloat16 and float32.
+
+Attention, with the default model's heads: a decode step (64 rows of ~200
+positions) over 30 layers' caches, so each layer's keys and values come
+from memory as in the model; and prompt chunks of several lengths, one
+query row per token through the compiled kernel against one SDPA call per
+sequence (the runner's choice between them, COMPILED_PROMPT_MAX_LEN).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from engine_core.attention import prefill_attention
+from engine_core.models.llama import _apply_rope
 from kernels import cpu_ops
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -40,7 +53,18 @@ def bench_size(dtype: torch.dtype, rows: int) -> None:
     weight = torch.rand(576).to(dtype)
     gate_up = torch.randn(rows, 2 * 1536).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    q = qkv[:, : HEADS * HEAD_DIM].view(rows, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, KV_HEADS, HEAD_DIM)
+    table = torch.randn(8192, HEAD_DIM // 2).to(dtype)
+    positions = torch.randint(0, 8192, (rows,))
+
+    def torch_rope() -> None:
+        cos, sin = table[positions][:, None], table[positions][:, None]
+        _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+
     cases = {
+        "rotary": (lambda: cpu_ops.rotary_embedding(q, k, positions, table, table), torch_rope),
         "add_rms_norm": (
             lambda: cpu_ops.fused_add_rms_norm(x, residual, weight, 1e-5),
             lambda: torch_add_rms_norm(x, residual, weight),
@@ -54,9 +78,63 @@ def bench_size(dtype: torch.dtype, rows: int) -> None:
         )
 
 
+def bench_decode_attention(layers: int = 30, batch: int = 64, length: int = 192) -> None:
+    blocks = batch * -(-length // BLOCK)
+    caches = [
+        (
+            torch.randn(2 * blocks, BLOCK, KV_HEADS, HEAD_DIM),
+            torch.randn(2 * blocks, BLOCK, KV_HEADS, HEAD_DIM),
+        )
+        for _ in range(layers)
+    ]
+    tables = torch.randperm(2 * blocks)[:blocks].view(batch, -1).contiguous()
+    lens = torch.full((batch,), length)
+    q = torch.randn(batch, HEADS, HEAD_DIM)
+
+    def step() -> None:
+        for kc, vc in caches:
+            cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+
+    ms = min(per_call_us(step, 1) for _ in range(7)) / 1e3
+    print(f"decode step, {batch} rows x {length} positions, {layers} layers: {ms:.1f} ms")
+
+
+def bench_prompt_attention(seqs: int, length: int) -> None:
+    tokens = seqs * length
+    kc = torch.randn(tokens // BLOCK, BLOCK, KV_HEADS, HEAD_DIM)
+    vc = torch.randn(tokens // BLOCK, BLOCK, KV_HEADS, HEAD_DIM)
+    tables = torch.arange(tokens // BLOCK).view(seqs, -1)
+    q = torch.randn(tokens, HEADS, HEAD_DIM)
+    k = kc.flatten(0, 1)
+    v = vc.flatten(0, 1)
+    rows = torch.arange(seqs).repeat_interleave(length)
+    lens = torch.arange(1, length + 1).repeat(seqs)
+
+    def compiled() -> None:
+        cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, table_rows=rows)
+
+    def sdpa() -> None:
+        for i in range(seqs):
+            part = slice(i * length, (i + 1) * length)
+            prefill_attention(q[part], k[part], v[part], 0.125)
+
+    print(
+        f"prompts {seqs:>3} x {length:>4}: compiled {per_call_us(compiled, 5) / 1e3:6.2f} ms, "
+        f"SDPA {per_call_us(sdpa, 5) / 1e3:6.2f} ms per layer"
+    )
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--attention", action="store_true", help="attention instead")
+    args = parser.parse_args()
     if cpu_ops.load_cpu_ops() is None:
         raise SystemExit("the compiled CPU kernels are not available here")
+    if args.attention:
+        bench_decode_attention()
+        for seqs, length in ((64, 32), (32, 128), (16, 256), (8, 512), (1, 4096)):
+            bench_prompt_attention(seqs, length)
+        return
     print(f"{'dtype':>9} {'rows':>5} {'op':>13} {'compiled us':>12} {'torch us':>9}")
     for dtype in (torch.bfloat16, torch.float32):
         for rows in (64, 4096):
