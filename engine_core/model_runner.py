@@ -296,7 +296,11 @@ class ModelRunner(RunnerUtilities):
                 prefill_rows.append((n, end, blocks[:num_blocks]))
                 prefills.append(
                     PrefillSeq(
-                        flat_start, n, end, torch.tensor(blocks[:num_blocks], dtype=torch.long)
+                        flat_start,
+                        n,
+                        end,
+                        torch.tensor(blocks[:num_blocks], dtype=torch.long),
+                        compiled=end <= self.compiled_prompt_max_len,
                     )
                 )
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
@@ -390,11 +394,9 @@ class ModelRunner(RunnerUtilities):
         device = self.device
         table = _padded_table(decode_tables)
         prefill_tables = prefill_table_rows = prefill_lens = query_index = None
-        compiled = [p for p in prefills if p.context_len <= self.compiled_prompt_max_len]
+        compiled = [p for p in prefills if p.compiled]
         if compiled:
             assert prefills[0].query_start == len(decode_tables)
-            for p in compiled:
-                p.compiled = True
             prefill_tables = _padded_table([p.block_ids for p in compiled])
             prefill_table_rows = torch.repeat_interleave(
                 torch.arange(len(compiled)), torch.tensor([p.query_len for p in compiled])

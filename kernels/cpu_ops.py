@@ -40,9 +40,11 @@ def _cpu_flags() -> str:
 def _build_dir() -> Path:
     from engine_core.envs import cache_root
 
-    key = hashlib.sha256(
-        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
-    ).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for path in sorted(_SOURCE.parent.iterdir()):  # the .cpp and its headers
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(torch.__version__.encode() + _cpu_flags().encode())
+    key = digest.hexdigest()[:16]
     return cache_root() / "torch_extensions" / key
 
 

@@ -1,0 +1,165 @@
+// Paged attention for the CPU: each query row attends to the first len
+// positions of its block table row, keys and values read in place from the
+// paged cache (no gather copy). A decode step has one row per sequence; a
+// prompt chunk one row per token, all on its sequence's table with lengths
+// growing by one (causal). The query heads of a GQA group share each
+// key/value row as it is read.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+namespace {
+
+template <typename scalar_t, int D>
+inline void load_row(const scalar_t* __restrict__ src, float* __restrict__ dst) {
+#pragma omp simd
+  for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+}
+
+template <int D>
+inline float dot(const float* __restrict__ a, const float* __restrict__ b) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+template <typename scalar_t, int D>
+void decode_kernel(
+    scalar_t* __restrict__ out,           // [B, H, D]
+    const scalar_t* __restrict__ q,       // [B, H, D]
+    const scalar_t* __restrict__ k_cache, // [NB, BS, KVH, D]
+    const scalar_t* __restrict__ v_cache, // [NB, BS, KVH, D]
+    const int64_t* __restrict__ tables,   // [R, MB]
+    const int64_t* __restrict__ rows,     // [B]: each query's table row (null: row b)
+    const int64_t* __restrict__ lens,     // [B]: positions each query attends to
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    alignas(64) float row[D];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t len = lens[b];
+      const int64_t* table = tables + (rows ? rows[b] : b) * MB;
+      scores.resize(G * len);
+      for (int64_t g = 0; g < G; ++g) {
+        load_row<scalar_t, D>(q + (b * H + h * G + g) * D, &qf[g * D]);
+        for (int d = 0; d < D; ++d) qf[g * D + d] *= scale;
+      }
+      // Pass 1: scores = q . k for every cached position, block by block.
+      for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const int64_t block = table[t0 / BS];
+        const int64_t n = std::min<int64_t>(BS, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row<scalar_t, D>(k_cache + ((block * BS + j) * KVH + h) * D, row);
+          for (int64_t g = 0; g < G; ++g) scores[g * len + t0 + j] = dot<D>(&qf[g * D], row);
+        }
+      }
+      // Softmax per query head.
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = &scores[g * len];
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+      }
+      // Pass 2: out = sum_t p_t * v_t.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const int64_t block = table[t0 / BS];
+        const int64_t n = std::min<int64_t>(BS, len - t0);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row<scalar_t, D>(v_cache + ((block * BS + j) * KVH + h) * D, row);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * len + t0 + j];
+            float* __restrict__ ag = &acc[g * D];
+#pragma omp simd
+            for (int d = 0; d < D; ++d) ag[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d)
+          out[(b * H + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
+    }
+  });
+}
+
+}  // namespace
+
+// The SIMD forms: AVX512-BF16 for bfloat16, AVX2 for float32.
+#include "attention_simd.h"
+
+namespace {
+
+template <typename scalar_t>
+void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar_t* k,
+                       const scalar_t* v, const int64_t* tables, const int64_t* rows, const int64_t* lens, int64_t B,
+                       int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+#ifdef PAGODA_BF16_DECODE
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    switch (D) {
+      case 64: return decode_kernel_bf16<64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 128: return decode_kernel_bf16<128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 32: return decode_kernel_bf16<32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 256: return decode_kernel_bf16<256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      default: break;
+    }
+  }
+#endif
+#ifdef PAGODA_F32_AVX2_DECODE
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    switch (D) {
+      case 64: return decode_kernel_f32_avx2<64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 128: return decode_kernel_f32_avx2<128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 32: return decode_kernel_f32_avx2<32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      case 256: return decode_kernel_f32_avx2<256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+      default: break;
+    }
+  }
+#endif
+  switch (D) {
+    case 64: return decode_kernel<scalar_t, 64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+    case 128: return decode_kernel<scalar_t, 128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+    case 32: return decode_kernel<scalar_t, 32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+    case 256: return decode_kernel<scalar_t, 256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+    default: TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
+  }
+}
+
+}  // namespace
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor block_tables,
+                            torch::Tensor table_rows, torch::Tensor seq_lens, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = block_tables.size(1);
+  const int64_t* rows = table_rows.numel() ? table_rows.data_ptr<int64_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    dispatch_head_dim<scalar_t>(D, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                                k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                block_tables.data_ptr<int64_t>(), rows, seq_lens.data_ptr<int64_t>(),
+                                B, H, KVH, BS, MB, static_cast<float>(scale));
+  });
+}
+
+bool has_bf16_attention() {
+#ifdef PAGODA_BF16_DECODE
+  return true;
+#else
+  return false;
+#endif
+}

@@ -1,0 +1,68 @@
+// Helpers shared by the CPU kernels (included by cpu_ops.cpp, the one
+// translation unit): float views of the activation dtypes, and the storage
+// traits the elementwise kernels are templated over.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+// bfloat16 is the top half of a float32: a shift the compiler vectorizes.
+inline float bf16_bits_to_f(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline float to_f(c10::BFloat16 x) { return bf16_bits_to_f(x.x); }
+
+// float -> bfloat16 on raw bits, rounding to nearest even with NaN kept
+// quiet: integer operations only, so loops over a row vectorize (c10's
+// conversion branches and does not).
+inline uint16_t f_to_bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+}
+
+// How an activation dtype is stored: T, load to float, store (rounding).
+struct Float32 {
+  using T = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+};
+struct BFloat16Bits {
+  using T = uint16_t;
+  static float load(uint16_t x) { return bf16_bits_to_f(x); }
+  static uint16_t store(float x) { return f_to_bf16_bits(x); }
+};
+struct Float16 {
+  using T = c10::Half;
+  static float load(c10::Half x) { return static_cast<float>(x); }
+  static c10::Half store(float x) { return static_cast<c10::Half>(x); }
+};
+
+// Calls f(Storage{}) for the tensor's dtype, with its data pointers cast to
+// Storage::T by the caller through `ptr`.
+template <typename F>
+void dispatch_storage(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(Float32{});
+    case at::kBFloat16: return f(BFloat16Bits{});
+    case at::kHalf: return f(Float16{});
+    default: TORCH_CHECK(false, op, ": expected float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+template <typename S>
+typename S::T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<typename S::T*>(t.data_ptr());
+}
+
+}  // namespace
