@@ -46,7 +46,10 @@ def test_sigterm_lets_in_flight_requests_finish(server: Server) -> None:
     api = procs.start(api_argv(server.address, port, "--shutdown-timeout", "120"), "api-drain")
     try:
         wait_healthy(base, procs, timeout=60)
-        body = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 6, "ignore_eos": True}
+        # Long enough (seconds at any speed this suite runs at) to still be in
+        # flight while the probes below run; a few tokens can finish, and the
+        # drained server exit, before the first probe connects.
+        body = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 96, "ignore_eos": True}
         thread, result = post_in_thread(base, body)
         wait_load(base, 1)
         api.send_signal(signal.SIGTERM)
@@ -58,7 +61,7 @@ def test_sigterm_lets_in_flight_requests_finish(server: Server) -> None:
         assert api.wait(timeout=200) == 0
         thread.join(timeout=10)
         assert result and result[0].status_code == 200, result
-        assert result[0].json()["usage"]["completion_tokens"] == 6
+        assert result[0].json()["usage"]["completion_tokens"] == 96
         assert result[0].json()["choices"][0]["finish_reason"] == "length"
     finally:
         procs.stop()
