@@ -269,16 +269,22 @@ void decode_kernel_f32_avx2(
   const int64_t G = H / KVH;
   const int64_t row_floats = KVH * D;  // one cached position, all kv heads
   // One query row (all its heads) per work item: a position's keys for all
-  // kv heads are adjacent, so reading them together walks each block in order.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  // kv heads are adjacent, so reading them together walks each block in
+  // order. With fewer rows than threads (a single sequence decoding), one
+  // (row, kv head) pair per item instead, so no thread idles.
+  const int64_t split = B < at::get_num_threads() ? KVH : 1;  // items per row
+  const int64_t heads_per_item = KVH / split;
+  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv(H);
     std::vector<int64_t> off;
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / split;
+      const int64_t h0 = (item % split) * heads_per_item, h1 = h0 + heads_per_item;
       const int64_t len = lens[b];
       const int64_t padded = (len + 7) / 8 * 8;
       const int64_t* table = tables + (rows ? rows[b] : b) * MB;
       if (len == 0) {  // nothing to attend to: zeros, as the generic kernel gives
-        std::fill(out + b * H * D, out + (b + 1) * H * D, 0.f);
+        std::fill(out + (b * H + h0 * G) * D, out + (b * H + h1 * G) * D, 0.f);
         continue;
       }
       scores.resize(H * padded);
@@ -295,11 +301,11 @@ void decode_kernel_f32_avx2(
         // for pass 2 into L2 (1.3-1.5x faster than leaving it to the
         // hardware prefetcher with the cache cold, as it is every layer).
         for (int64_t j = t0 + 8; j < std::min<int64_t>(t0 + 16, len); ++j)
-          for (int64_t c = 0; c < row_floats; c += 16) {
+          for (int64_t c = h0 * D; c < h1 * D; c += 16) {
             _mm_prefetch(reinterpret_cast<const char*>(kc + off[j] + c), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(vc + off[j] + c), _MM_HINT_T1);
           }
-        for (int64_t h = 0; h < KVH; ++h) {
+        for (int64_t h = h0; h < h1; ++h) {
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = q + (b * H + h * G + g) * D;
             // Past len, a lane repeats the tile's first position (masked later).
@@ -320,7 +326,7 @@ void decode_kernel_f32_avx2(
       const int tail = static_cast<int>(len - (padded - 8));
       const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
           _mm256_set1_epi32(tail), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      for (int64_t hg = 0; hg < H; ++hg) {
+      for (int64_t hg = h0 * G; hg < h1 * G; ++hg) {
         float* sg = &scores[hg * padded];
         __m256 mx = _mm256_loadu_ps(sg);
         for (int64_t t = 8; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
@@ -340,7 +346,7 @@ void decode_kernel_f32_avx2(
         inv[hg] = 1.f / total;
       }
       // Pass 2: out = sum_t p_t * v_t, up to 3 query heads and 4 vectors per sweep.
-      for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         const float* vh = vc + h * D;
         float* oh = out + (b * H + h * G) * D;
         for (int c0 = 0; c0 < NF; c0 += 4) {

@@ -134,6 +134,24 @@ def test_bf16_attention_is_float32_attention_rounded_once() -> None:
 
 @needs_compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [0, 1, 300])
+def test_a_single_row_matches_reference(dtype: torch.dtype, length: int) -> None:
+    """One decoding sequence: fewer rows than threads, where the work is split
+    by kv head instead of by row."""
+    gen = torch.Generator().manual_seed(length)
+    q, kc, vc, tables, _, per_seq = make_paged([max(length, 1)], 9, 3, 64, 16, dtype, gen)
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, torch.tensor([length]), 0.125)
+    if length == 0:
+        assert not out.any()
+        return
+    k = kc[per_seq[0]].flatten(0, 1)[:length]
+    v = vc[per_seq[0]].flatten(0, 1)[:length]
+    ref = reference_attention(q.float(), k.float(), v.float(), 0.125)[0]
+    assert rel_err(out[0], ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_with_nothing_to_attend_to_is_zero(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(11)
     q, kc, vc, tables, _, per_seq = make_paged([5, 40], 6, 2, 64, 16, dtype, gen)
