@@ -105,39 +105,43 @@ void decode_kernel(
 
 namespace {
 
+// Calls f(std::integral_constant<int, D>) for a compiled head_dim; false if
+// there is none.
+template <typename F>
+bool with_head_dim(int64_t D, F&& f) {
+  switch (D) {
+    case 32: f(std::integral_constant<int, 32>{}); return true;
+    case 64: f(std::integral_constant<int, 64>{}); return true;
+    case 128: f(std::integral_constant<int, 128>{}); return true;
+    case 256: f(std::integral_constant<int, 256>{}); return true;
+    default: return false;
+  }
+}
+
 template <typename scalar_t>
 void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar_t* k,
                        const scalar_t* v, const int64_t* tables, const int64_t* rows, const int64_t* lens, int64_t B,
                        int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
 #ifdef PAGODA_BF16_DECODE
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    switch (D) {
-      case 64: return decode_kernel_bf16<64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-      case 128: return decode_kernel_bf16<128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-      case 32: return decode_kernel_bf16<32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-      case 256: return decode_kernel_bf16<256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-      default: break;
-    }
+    if (with_head_dim(D, [&](auto d) {
+          decode_kernel_bf16<d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+        }))
+      return;
   }
 #endif
 #ifdef PAGODA_F32_AVX2_DECODE
   if constexpr (std::is_same_v<scalar_t, float>) {
-    switch (D) {
-      case 64: return decode_kernel_f32_avx2<64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-      case 128: return decode_kernel_f32_avx2<128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-      case 32: return decode_kernel_f32_avx2<32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-      case 256: return decode_kernel_f32_avx2<256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-      default: break;
-    }
+    if (with_head_dim(D, [&](auto d) {
+          decode_kernel_f32_avx2<d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+        }))
+      return;
   }
 #endif
-  switch (D) {
-    case 64: return decode_kernel<scalar_t, 64>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-    case 128: return decode_kernel<scalar_t, 128>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-    case 32: return decode_kernel<scalar_t, 32>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-    case 256: return decode_kernel<scalar_t, 256>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
-    default: TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
-  }
+  const bool done = with_head_dim(D, [&](auto d) {
+    decode_kernel<scalar_t, d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+  });
+  TORCH_CHECK(done, "head_dim must be 32, 64, 128 or 256, got ", D);
 }
 
 }  // namespace
