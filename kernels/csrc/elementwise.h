@@ -136,9 +136,13 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
 
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor positions,
                       torch::Tensor cos, torch::Tensor sin) {
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_embedding: position ", pos[t],
+                " is outside the rotary tables (", cos.size(0), " positions)");
   dispatch_storage(q.scalar_type(), "rotary_embedding", [&](auto storage) {
     using S = decltype(storage);
     rope_kernel<S>(ptr<S>(q), q.stride(0), q.size(1), ptr<S>(k), k.stride(0), k.size(1),
-                   positions.data_ptr<int64_t>(), q.size(0), ptr<S>(cos), ptr<S>(sin), q.size(2));
+                   pos, q.size(0), ptr<S>(cos), ptr<S>(sin), q.size(2));
   });
 }

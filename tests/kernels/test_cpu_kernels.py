@@ -319,8 +319,12 @@ def test_rotary_embedding_in_place_on_qkv_views(dtype: torch.dtype) -> None:
     else:
         assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
     assert torch.equal(v, before[:, (heads + kv_heads) * head_dim :])
-    with pytest.raises(ValueError, match="outside"):
-        cpu_ops.rotary_embedding(q, k, positions + 512, cos, sin)
+    # A position past either end of the tables is refused before anything rotates.
+    rotated = q.clone()
+    for bad in (positions + 512 - positions.max(), positions - positions.min() - 1):
+        with pytest.raises(RuntimeError, match="outside the rotary tables"):
+            cpu_ops.rotary_embedding(q, k, bad, cos, sin)
+    assert torch.equal(q, rotated)
     with pytest.raises(ValueError, match="int64"):
         cpu_ops.rotary_embedding(q, k, positions.int(), cos, sin)
 
