@@ -28,7 +28,12 @@ from engine_core.sampler import SamplingRow, prompt_logprobs, sample
 from engine_core.sleep import ParkedWeights, release_freed_memory, reuse_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
 from engine_core.weights import load_int4_weights, load_weights
-from kernels.cpu_ops import SUPPORTED_HEAD_DIMS, has_bf16_attention, load_cpu_ops
+from kernels.cpu_ops import (
+    SUPPORTED_HEAD_DIMS,
+    cpu_has_native,
+    has_bf16_attention,
+    load_cpu_ops,
+)
 from kernels.linear import int4_available
 from kernels.lora import lora_groups
 from protocol.pooling_params import PoolingParams
@@ -50,15 +55,6 @@ DEFAULT_CPU_KV_BYTES = 4 << 30
 COMPILED_PROMPT_MAX_LEN = 256
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,7 +64,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cuda" or cpu_has_fast_bf16():
+    if device.type == "cuda" or cpu_has_native(torch.bfloat16):
         return torch.bfloat16
     return torch.float32
 
@@ -130,10 +126,11 @@ class ModelRunner(RunnerUtilities):
         # in its AVX512-BF16 form; otherwise those of at most
         # COMPILED_PROMPT_MAX_LEN positions (a short prompt's SDPA call is
         # mostly fixed cost; past that, SDPA's blocked matmuls win).
-        self.compiled_prompt_max_len = 0
+        # None: no limit.
+        self.compiled_prompt_max_len: int | None = 0
         if self.compiled_decode:
             fast = self.dtype == torch.bfloat16 and has_bf16_attention()
-            self.compiled_prompt_max_len = 1 << 62 if fast else COMPILED_PROMPT_MAX_LEN
+            self.compiled_prompt_max_len = None if fast else COMPILED_PROMPT_MAX_LEN
 
     def _load_model(self) -> LlamaModel:
         int4 = None
@@ -277,6 +274,7 @@ class ModelRunner(RunnerUtilities):
         pool_rows: list[tuple[str, int, int]] = []  # (id, flat start, n): whole prompts
         token_slots: list[int] = []  # each flat token's LoRA slot
         bs = self.block_size
+        max_len = self.compiled_prompt_max_len
         for request_id in order:
             state = self.requests[request_id]
             n = plan.num_scheduled_tokens[request_id]
@@ -300,7 +298,7 @@ class ModelRunner(RunnerUtilities):
                         n,
                         end,
                         torch.tensor(blocks[:num_blocks], dtype=torch.long),
-                        compiled=end <= self.compiled_prompt_max_len,
+                        compiled=max_len is None or end <= max_len,
                     )
                 )
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:

@@ -88,6 +88,21 @@ def _clear_stale_lock(build_dir: Path) -> None:
         pass
 
 
+# CPU flags for hardware multiplication in each half-precision dtype.
+_NATIVE_FLAGS = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+}
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies dtype in hardware (float32: always)."""
+    if dtype == torch.float32:
+        return True
+    flags = _cpu_flags().split()
+    return any(flag in flags for flag in _NATIVE_FLAGS.get(dtype, ()))
+
+
 def load_cpu_ops() -> ModuleType | None:
     """The compiled module, or None when it cannot be built here."""
     global _module, _failed
@@ -286,3 +301,19 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError("expected logits [rows, vocab]")
     return ops.argmax_rows(logits.contiguous())
+
+
+def linear_small_rows(
+    x: torch.Tensor,  # [rows, in]
+    weight: torch.Tensor,  # [out, in], plain layout
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:
+    """Launcher: x W^T (+ b) for a few rows, streaming W from memory once
+    (kernels/linear.Linear picks it for small batches). The compiled op
+    checks shapes, dtypes and layout."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    if x.dim() == 2 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return ops.linear_small_rows(x, weight, bias)

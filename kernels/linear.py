@@ -10,6 +10,18 @@ chunks it is ~8% slower. The sums are ordered differently from MKL's, so
 float32 results differ from transformers' in the last bits (relative ~1e-7),
 well inside the parity suite's tolerances. CUDA keeps `F.linear`.
 
+A few rows (decoding one to a handful of sequences) do almost no arithmetic
+per weight, so their time is the time to stream the weights from memory.
+The compiled few-row kernel (kernels/csrc/linear.h) reads the plain
+[out, in] weights once and does that in about 0.7x oneDNN's time on 2 AVX2
+cores at 1-8 rows (figures at SMALL_ROWS_MAX). A Linear keeps that plain
+copy beside the packed one when the model asks for it: LlamaModel does while
+its linear weights are a small share of the machine's memory, at the cost of
+a second copy of them (0.4 GB for the default model in float32). On a CPU
+without hardware bfloat16 (or float16) arithmetic, linears in that dtype
+run on the kernel at every batch size, with the plain weights as their only
+copy: oneDNN is 4-5x slower there.
+
 oneDNN (and ideep above it) build and cache a primitive, JIT code included,
 for every distinct row count they see. A server sees thousands of different
 step sizes, and those caches grew the engine by hundreds of MiB over a long
@@ -24,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_ops
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -82,6 +96,18 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group, w.scales_zeros)
 
 
+# Row counts up to which the compiled few-row kernel beats oneDNN's packed
+# path. Over the default model's 30 layers of linears on 2 AVX2 cores (cold
+# caches; `python scripts/bench_cpu_kernels.py --linear`), oneDNN vs the
+# kernel in float32: 25.8 vs 17.1 ms at 1 row, 29.2 vs 19.3 at 4, 31.5 vs
+# 25.2 at 8, 42.8 vs 43.5 at 16, 67 vs 82 at 32 (on a slower-memory day:
+# 60 vs 43, 85 vs 56, 104-123 vs 91-100 at 16). Half precision keeps to 4
+# rows where the CPU multiplies it natively: AVX512-BF16 gives oneDNN twice
+# the arithmetic the kernel's float32 FMAs have, and the gain there is the
+# bandwidth at the smallest batches. Where it does not, see Linear.
+SMALL_ROWS_MAX = {torch.float32: 16, torch.bfloat16: 4, torch.float16: 4}
+
+
 def padded_rows(m: int) -> int:
     """The bucket m rows run at: m itself up to 8, then multiples of 8 up to 64,
     then 8 evenly spaced sizes per power of two."""
@@ -104,14 +130,31 @@ class Linear:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         int4: Int4Weight | None = None,
+        small_rows: bool = False,
     ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         # The same weights in 4 bits, for small batches (--quantization gguf).
         self.int4 = int4
         self.packed = _can_pack(weight)
-        if self.packed:
+        # Plain weights for the few-row kernel (see the module docstring), used
+        # up to small_rows_max rows; None: at every row count.
+        self.plain: torch.Tensor | None = None
+        self.small_rows_max: int | None = 0
+        kernel = self.packed and cpu_ops.load_cpu_ops() is not None
+        if kernel and not cpu_ops.cpu_has_native(weight.dtype):
+            # Half precision without hardware for it: oneDNN converts as it goes
+            # and runs 4-5x slower than the kernel at every batch size (bfloat16
+            # on 2 AVX2 cores, gate|up: 30.9 vs 8.1 ms at 128 rows, 959 vs 239 at
+            # 4096), so the plain weights are the only copy.
+            self.packed = False
+            self.weight = self.plain = weight.contiguous()
+            self.small_rows_max = None
+        elif self.packed:
             self.weight = pack_weight(weight)
+            if small_rows and int4 is None and kernel:
+                self.plain = weight.contiguous()
+                self.small_rows_max = SMALL_ROWS_MAX[weight.dtype]
         else:
             self.weight = weight
 
@@ -121,9 +164,12 @@ class Linear:
         if int4 is not None and x.shape[0] <= INT4_MAX_ROWS and x.dtype == int4.scales_zeros.dtype:
             out = int4_matmul(x, int4)
             return out if self.bias is None else out + self.bias
+        rows = x.shape[0]
+        limit = self.small_rows_max
+        if self.plain is not None and (limit is None or rows <= limit):
+            return cpu_ops.linear_small_rows(x, self.plain, self.bias)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]
         bucket = padded_rows(rows)
         if bucket != rows:
             padded = x.new_empty((bucket, x.shape[1]))

@@ -2,6 +2,7 @@
 
     python scripts/bench_cpu_kernels.py              # elementwise ops
     python scripts/bench_cpu_kernels.py --attention  # attention (float32)
+    python scripts/bench_cpu_kernels.py --linear     # few-row linears
 
 Elementwise: microseconds per call for fused add+RMSNorm (hidden 576),
 SiLU-and-mul (intermediate 1536) and the rotary embedding (9 + 3 heads of
@@ -13,6 +14,12 @@ positions) over 30 layers' caches, so each layer's keys and values come
 from memory as in the model; and prompt chunks of several lengths, one
 query row per token through the compiled kernel against one SDPA call per
 sequence (the runner's choice between them, COMPILED_PROMPT_MAX_LEN).
+
+Linears: the default model's 30 layers of projections (qkv, o, gate|up,
+down), each layer's weights its own so they come from memory as in the
+model, at 1 to 64 rows: oneDNN's packed path against the few-row kernel on
+the plain weights (kernels/linear.py's choice, SMALL_ROWS_MAX), the two
+alternated, the best of 7 rounds each; then the 49152-wide head at 1 row.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch.nn.functional as F
 from engine_core.attention import prefill_attention
 from engine_core.models.llama import _apply_rope
 from kernels import cpu_ops
+from kernels.linear import Linear
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -124,12 +132,63 @@ def bench_prompt_attention(seqs: int, length: int) -> None:
     )
 
 
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate|up, down
+
+
+def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
+    gen = torch.Generator().manual_seed(0)
+    model = [
+        [Linear((torch.randn(shape, generator=gen) * 0.05).to(dtype)) for shape in LAYER_SHAPES]
+        for _ in range(layers)
+    ]
+    # Each layer's plain weights are their own tensors, as in the model.
+    plain = [
+        [(torch.randn(shape, generator=gen) * 0.05).to(dtype) for shape in LAYER_SHAPES]
+        for _ in range(layers)
+    ]
+    name = str(dtype).split(".")[-1]
+    for rows in (1, 4, 8, 16, 32, 64):
+        xs = [torch.randn(rows, shape[1], generator=gen).to(dtype) for shape in LAYER_SHAPES]
+
+        def onednn(xs: list[torch.Tensor] = xs) -> None:
+            for layer in model:
+                for lin, x in zip(layer, xs, strict=True):
+                    lin(x)
+
+        def few_rows(xs: list[torch.Tensor] = xs) -> None:
+            for layer in plain:
+                for w, x in zip(layer, xs, strict=True):
+                    cpu_ops.linear_small_rows(x, w)
+
+        best = {"onednn": float("inf"), "few_rows": float("inf")}
+        for _ in range(7):
+            best["onednn"] = min(best["onednn"], per_call_us(onednn, 1) / 1e3)
+            best["few_rows"] = min(best["few_rows"], per_call_us(few_rows, 1) / 1e3)
+        print(
+            f"{name:>9} {rows:>4} rows, {layers} layers: oneDNN {best['onednn']:6.1f} ms, "
+            f"few-row kernel {best['few_rows']:6.1f} ms"
+        )
+    head = (torch.randn(49152, 576, generator=gen) * 0.05).to(dtype)
+    packed_head, x = Linear(head), torch.randn(1, 576, generator=gen).to(dtype)
+    onednn_ms = min(per_call_us(lambda: packed_head(x), 1) for _ in range(7)) / 1e3
+    few_ms = min(per_call_us(lambda: cpu_ops.linear_small_rows(x, head), 1) for _ in range(7)) / 1e3
+    print(
+        f"{name:>9} head 49152 x 576, 1 row: oneDNN {onednn_ms:.1f} ms, "
+        f"few-row kernel {few_ms:.1f} ms"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--attention", action="store_true", help="attention instead")
+    parser.add_argument("--linear", action="store_true", help="few-row linears instead")
     args = parser.parse_args()
     if cpu_ops.load_cpu_ops() is None:
         raise SystemExit("the compiled CPU kernels are not available here")
+    if args.linear:
+        for dtype in (torch.float32, torch.bfloat16):
+            bench_linears(dtype)
+        return
     if args.attention:
         bench_decode_attention()
         for seqs, length in ((64, 32), (32, 128), (16, 256), (8, 512), (1, 4096)):

@@ -14,6 +14,7 @@ attention, described by TritonAttentionMetadata. The CPU path is untouched.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -68,6 +69,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+# The few-row kernel's plain weight copies are kept while the layers' linears
+# take at most this share of physical memory (a 135M model in float32: 0.4 GB).
+SMALL_ROWS_MEMORY_SHARE = 1 / 8
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
 class LlamaModel:
     """Weights plus the forward pass of a Llama-family decoder."""
 
@@ -99,16 +112,31 @@ class LlamaModel:
                 f"expected {(config.vocab_size, config.hidden_size)}"
             )
         self.norm = take("norm.weight")
+        # Small batches stream every weight from memory; the few-row kernel does
+        # that faster than oneDNN from a second, plain copy of the weights
+        # (kernels/linear.py), kept while the layers' linears are a small share of
+        # the machine's memory. The head's plain weights are kept anyway.
+        layer_bytes = (
+            sum(
+                t.numel()
+                for n, t in weights.items()
+                if n.startswith("layers.") and n.endswith("_proj.weight")
+            )
+            * torch.tensor([], dtype=dtype).element_size()
+        )
+        small_rows = (
+            device.type == "cpu" and layer_bytes <= _physical_memory() * SMALL_ROWS_MEMORY_SHARE
+        )
         # The head's weights in the plain layout, for compute_logits' float32
         # recomputation, when the Linear keeps them packed (and untied).
         self.head_plain: torch.Tensor | None = None
         if "lm_head.weight" in weights:
             head = take("lm_head.weight")
-            self.lm_head = Linear(head)
+            self.lm_head = Linear(head, small_rows=True)
             if self.lm_head.packed:
                 self.head_plain = head
         elif config.tie_word_embeddings:
-            self.lm_head = Linear(self.embed_tokens)
+            self.lm_head = Linear(self.embed_tokens, small_rows=True)
         else:
             raise ModelLoadError(f"{config.path}: weight lm_head.weight is missing")
         int4 = int4_weights or {}
@@ -121,7 +149,9 @@ class LlamaModel:
             q, scale, zero = (torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[index]
             return pack_int4(q, scale, zero, dtype)
 
-        self.layers = [self._load_layer(i, take, take_int4) for i in range(config.num_layers)]
+        self.layers = [
+            self._load_layer(i, take, take_int4, small_rows) for i in range(config.num_layers)
+        ]
         # The backend follows the device: Triton kernels on CUDA, torch on the CPU.
         self.use_triton = device.type == "cuda"
         # Fused elementwise kernels on the CPU. They round where the unfused
@@ -139,6 +169,7 @@ class LlamaModel:
         i: int,
         take: Callable[[str], torch.Tensor],
         take_int4: Callable[..., Int4Weight | None],
+        small_rows: bool,
     ) -> DecoderLayer:
         cfg = self.config
         p = f"layers.{i}."
@@ -156,17 +187,22 @@ class LlamaModel:
             qkv_bias = torch.cat(
                 [take(p + "q_proj.bias"), take(p + "k_proj.bias"), take(p + "v_proj.bias")]
             )
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None, *names: str) -> Linear:
+            return Linear(weight, bias, take_int4(*(p + n for n in names)), small_rows)
+
         return DecoderLayer(
             input_layernorm=take(p + "input_layernorm.weight"),
-            qkv_proj=Linear(qkv, qkv_bias, take_int4(*(f"{p}{n}_proj.weight" for n in "qkv"))),
-            o_proj=Linear(take(p + "o_proj.weight"), None, take_int4(p + "o_proj.weight")),
+            qkv_proj=linear(qkv, qkv_bias, "q_proj.weight", "k_proj.weight", "v_proj.weight"),
+            o_proj=linear(take(p + "o_proj.weight"), None, "o_proj.weight"),
             post_attention_layernorm=take(p + "post_attention_layernorm.weight"),
-            gate_up_proj=Linear(
+            gate_up_proj=linear(
                 torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
                 None,
-                take_int4(p + "gate_proj.weight", p + "up_proj.weight"),
+                "gate_proj.weight",
+                "up_proj.weight",
             ),
-            down_proj=Linear(take(p + "down_proj.weight"), None, take_int4(p + "down_proj.weight")),
+            down_proj=linear(take(p + "down_proj.weight"), None, "down_proj.weight"),
             q_norm=take(p + "q_norm.weight") if cfg.qk_norm else None,
             k_norm=take(p + "k_norm.weight") if cfg.qk_norm else None,
         )

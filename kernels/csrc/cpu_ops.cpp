@@ -1,10 +1,12 @@
 // Pagoda's compiled CPU kernels, one translation unit: paged attention
-// (attention.h), fused elementwise ops (elementwise.h) and the logits
-// helpers (logits.h). Built once per machine by kernels/cpu_ops.py.
+// (attention.h), fused elementwise ops (elementwise.h), linear layers over
+// a few rows (linear.h) and the logits helpers (logits.h). Built once per
+// machine by kernels/cpu_ops.py.
 #include <torch/extension.h>
 
 #include "attention.h"
 #include "elementwise.h"
+#include "linear.h"
 #include "logits.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,5 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (CPU)");
+  m.def("linear_small_rows", &linear_small_rows,
+        "x W^T (+ b) for a few rows, streaming W once (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k in place (CPU)");
 }

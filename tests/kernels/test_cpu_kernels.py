@@ -10,6 +10,7 @@ from engine_core.attention import decode_attention, reference_attention
 from kernels import cpu_ops
 from kernels.linear import (
     INT4_MAX_ROWS,
+    SMALL_ROWS_MAX,
     Linear,
     int4_available,
     pack_int4,
@@ -219,6 +220,92 @@ def test_int4_linear_matches_its_dequantized_weights(rows: int) -> None:
         assert rel_err(routed, ref - bias.float()) < 2e-2
     else:
         assert not routed.any()
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("rows", "outs", "ins"), [(1, 96, 80), (2, 7, 13), (3, 1, 8), (5, 130, 576)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_rows_linear_matches_reference(
+    dtype: torch.dtype, rows: int, outs: int, ins: int, bias: bool
+) -> None:
+    """The few-row kernel: tiles past the ends of rows, outputs and the input
+    width, strided rows of x, half-precision weights converted in registers."""
+    gen = torch.Generator().manual_seed(rows * 1000 + outs)
+    w = torch.randn(outs, ins, generator=gen).to(dtype)
+    b = torch.randn(outs, generator=gen).to(dtype) if bias else None
+    wide = torch.randn(rows, ins + 5, generator=gen).to(dtype)
+    x = wide[:, 2 : 2 + ins]  # rows of stride ins + 5
+    out = cpu_ops.linear_small_rows(x, w, b)
+    assert out.shape == (rows, outs) and out.dtype == dtype
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # float32 sums, rounded once to the activation dtype
+        torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=1e-2, atol=2e-2)
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_batches_run_on_the_plain_weights(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to SMALL_ROWS_MAX rows a Linear built with small_rows reads its plain
+    copy; above, the packed one. Both give x W^T."""
+    monkeypatch.setattr(cpu_ops, "cpu_has_native", lambda dtype: True)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=gen).to(dtype)
+    linear = Linear(w, None, small_rows=True)
+    if not linear.packed:
+        pytest.skip("oneDNN packing is unavailable")
+    limit = SMALL_ROWS_MAX[dtype]
+    assert linear.plain is not None and linear.small_rows_max == limit
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        assert rel_err(linear(x), reference_linear(x, w)) < (
+            1e-6 if dtype == torch.float32 else 1e-2
+        )
+    # Which copy ran: with the plain copy zeroed only the packed path gives x W^T.
+    linear.plain.zero_()
+    assert not linear(torch.randn(limit, 64).to(dtype)).any()
+    assert linear(torch.randn(limit + 1, 64).to(dtype)).any()
+    assert Linear(w).plain is None  # not asked for: no second copy
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_without_hardware_runs_on_the_kernel_only(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without hardware half-precision arithmetic a Linear keeps one plain copy,
+    used at every row count, whether or not the model asked for small_rows."""
+    monkeypatch.setattr(cpu_ops, "cpu_has_native", lambda dtype: dtype == torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 64, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype)
+    for small_rows in (False, True):
+        linear = Linear(w, b, small_rows=small_rows)
+        if linear.plain is None:
+            pytest.skip("oneDNN packing is unavailable")
+        assert not linear.packed and linear.weight is linear.plain
+        for rows in (1, 17, 300):
+            x = torch.randn(rows, 64, generator=gen).to(dtype)
+            assert rel_err(linear(x), reference_linear(x, w, b)) < 1e-2
+        linear.plain.zero_()  # the only copy: every row count reads it
+        assert not (linear(torch.randn(300, 64).to(dtype)) - b).any()
+    assert Linear(w.float()).plain is None  # float32 is always native
+
+
+@needs_compiled
+def test_small_rows_linear_rejects_bad_input() -> None:
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        cpu_ops.linear_small_rows(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="weight expects 8"):
+        cpu_ops.linear_small_rows(torch.randn(2, 7), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="bias must have 4"):
+        cpu_ops.linear_small_rows(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
 
 
 def test_padded_rows_are_few_and_waste_little() -> None:
