@@ -3,7 +3,9 @@
 Parsing a GGUF file's metadata (a 49k-token vocabulary) and dequantizing its
 tensors take seconds; a server restart should not pay that again. The first
 load writes `config.json` and `model.safetensors` (float32, exactly the
-dequantized values) under ~/.cache/pagoda/gguf/<key>, keyed by the file's
+dequantized values; with the quantized blocks as stored, when the CPU
+kernels use them, in `blocks.safetensors`) under
+~/.cache/pagoda/gguf/<key>, keyed by the file's
 path, size and mtime; later loads memory-map them. Imports no torch.
 """
 
@@ -41,15 +43,21 @@ def store_config(gguf_path: str, config: Any) -> None:
     _atomic_write(directory / "config.json", json.dumps(dataclasses.asdict(config)).encode())
 
 
-def cached_weights_file(gguf_path: str) -> Path | None:
-    file = cache_dir_for(gguf_path) / "model.safetensors"
+# The cached tensor files: the dequantized weights, and the quantized blocks
+# as stored (engine_core.weights.load_gguf_blocks).
+WEIGHTS_FILE = "model.safetensors"
+BLOCKS_FILE = "blocks.safetensors"
+
+
+def cached_weights_file(gguf_path: str, name: str = WEIGHTS_FILE) -> Path | None:
+    file = cache_dir_for(gguf_path) / name
     return file if file.is_file() else None
 
 
-def weights_file_to_write(gguf_path: str) -> Path:
+def weights_file_to_write(gguf_path: str, name: str = WEIGHTS_FILE) -> Path:
     directory = cache_dir_for(gguf_path)
     os.makedirs(directory, exist_ok=True)
-    return directory / "model.safetensors"
+    return directory / name
 
 
 def _atomic_write(target: Path, data: bytes) -> None:

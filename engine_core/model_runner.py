@@ -27,7 +27,7 @@ from engine_core.runner_utilities import RunnerUtilities
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
 from engine_core.sleep import ParkedWeights, release_freed_memory, reuse_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
-from engine_core.weights import load_int4_weights, load_weights
+from engine_core.weights import load_gguf_blocks, load_int4_weights, load_weights
 from kernels.cpu_ops import (
     SUPPORTED_HEAD_DIMS,
     cpu_has_native,
@@ -136,8 +136,18 @@ class ModelRunner(RunnerUtilities):
         int4 = None
         if self.config.quantization == "gguf" and self.device.type == "cpu" and int4_available():
             int4 = load_int4_weights(self.model_config)
+        # A float32 model from a GGUF file's quantized blocks: the few-row
+        # kernels stream the blocks themselves (kernels/linear.BlockWeight).
+        blocks = None
+        if (
+            self.model_config.is_gguf
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and load_cpu_ops() is not None
+        ):
+            blocks = load_gguf_blocks(self.model_config)
         weights = load_weights(self.model_config)
-        return LlamaModel(self.model_config, weights, self.dtype, self.device, int4)
+        return LlamaModel(self.model_config, weights, self.dtype, self.device, int4, blocks)
 
     # ------------------------------------------------------------- KV cache
 

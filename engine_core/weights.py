@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,25 +76,34 @@ def _hf_short_name(name: str) -> str | None:
 
 
 def _load_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
+    from engine_core import gguf_cache
+
+    return _cached_tensors(config, gguf_cache.WEIGHTS_FILE, _dequantize_gguf)
+
+
+def _cached_tensors(
+    config: ModelConfig, name: str, build: Callable[[ModelConfig], dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """build(config), memory-mapped from the GGUF cache when an earlier load wrote it."""
     from safetensors.torch import load_file, save_file
 
     from engine_core import gguf_cache
 
-    cached = gguf_cache.cached_weights_file(config.path)
+    cached = gguf_cache.cached_weights_file(config.path, name)
     if cached is not None:
         try:
             return load_file(str(cached))
-        except Exception:  # noqa: BLE001 - a damaged cache entry: dequantize again
+        except Exception:  # noqa: BLE001 - a damaged cache entry: build it again
             pass
-    weights = _dequantize_gguf(config)
-    target = gguf_cache.weights_file_to_write(config.path)
+    tensors = build(config)
+    target = gguf_cache.weights_file_to_write(config.path, name)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     try:
-        save_file(weights, str(tmp))
+        save_file(tensors, str(tmp))
         os.replace(tmp, target)
     except OSError:
         pass  # a read-only cache only costs the next start its time
-    return weights
+    return tensors
 
 
 def _dequantize_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -126,38 +136,84 @@ def load_int4_weights(config: ModelConfig) -> dict[str, tuple[torch.Tensor, ...]
     """The GGUF's 4-bit linear weights as stored, for `--quantization gguf`.
 
     Each Q4_0 / Q4_1 tensor becomes (q [out, in] uint8 in 0..15, scale and
-    zero [out, in / 32] float32) with w = (q - 8) * scale + zero: exactly the
-    values `load_weights` dequantizes. Other tensor types are left out (those
-    linears stay on the dense path).
+    zero [out, in / 32] float32) with w = (q - 8) * scale + zero: the values
+    `load_weights` dequantizes (up to the rounding of zero). Other tensor
+    types are left out (those linears stay on the dense path).
     """
-    from gguf import GGMLQuantizationType
-
     if not config.is_gguf:
         raise ModelLoadError("--quantization gguf needs a GGUF model file")
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name, (codes, scale, offset) in load_gguf_blocks(config).items():
+        if offset is None or name.split(".")[-2] not in _INT4_LINEARS:
+            continue  # not 4-bit, or not a layer's linear
+        per_block = codes.reshape(codes.shape[0], -1, 16)
+        # per block: elements 0-15 in the low nibbles, 16-31 in the high ones
+        q = torch.stack([per_block & 0xF, per_block >> 4], dim=-2).reshape(codes.shape[0], -1)
+        out[name] = (q, scale, offset + 8 * scale)
+    return out
+
+
+# What load_gguf_blocks keeps: the layers' linears and the token embeddings /
+# head, in these GGUF types (bytes per 32-element block).
+_BLOCK_WEIGHTS = (*_INT4_LINEARS, "embed_tokens", "lm_head")
+_Q4_1, _Q4_0, _Q8_0 = "Q4_1", "Q4_0", "Q8_0"
+_BLOCK_BYTES = {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}
+
+GgufBlocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def load_gguf_blocks(config: ModelConfig) -> dict[str, GgufBlocks]:
+    """The GGUF's Q4_0 / Q4_1 / Q8_0 linear and embedding weights in their own
+    block layout (for kernels.linear.BlockWeight).
+
+    Each becomes (codes, scale, offset) with scale and offset [out, in / 32]
+    float32 per 32-element block. 4-bit: codes [out, in / 2] uint8, element j
+    of a block in the low nibble of byte j and j + 16 in the high one,
+    w = q * scale + offset. Q8_0: codes [out, in] int8, offset None,
+    w = q * scale. float32 arithmetic rounds both exactly as `load_weights`'
+    dequantization does. Other tensor types are left out. Cached beside the
+    dequantized weights: reading them means parsing the GGUF's metadata.
+    """
+    from engine_core import gguf_cache
+
+    if not config.is_gguf:
+        raise ModelLoadError(f"{config.path}: quantized blocks need a GGUF model file")
+    flat = _cached_tensors(config, gguf_cache.BLOCKS_FILE, _read_gguf_blocks)
+    names = {key.rsplit(".", 1)[0] for key in flat}
+    return {
+        name: (flat[f"{name}.codes"], flat[f"{name}.scale"], flat.get(f"{name}.offset"))
+        for name in sorted(names)
+    }
+
+
+def _read_gguf_blocks(config: ModelConfig) -> dict[str, torch.Tensor]:
     reader = open_gguf(config.path)
     permute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
-    kinds = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block
-    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    out: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = _gguf_short_name(tensor.name)
-        if name is None or tensor.tensor_type not in kinds:
-            continue
-        if name.split(".")[-2] not in _INT4_LINEARS:
+        kind = tensor.tensor_type.name
+        if name is None or kind not in _BLOCK_BYTES or name.split(".")[-2] not in _BLOCK_WEIGHTS:
             continue
         raw = np.asarray(tensor.data)
-        blocks = raw.reshape(raw.shape[0], -1, kinds[tensor.tensor_type])
+        blocks = raw.reshape(raw.shape[0], -1, _BLOCK_BYTES[kind])
         scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        packed = blocks[..., -16:]  # element j in the low nibble of byte j, j + 16 in the high
-        q = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(raw.shape[0], -1)
-        if tensor.tensor_type == GGMLQuantizationType.Q4_1:  # w = d * q + m
-            zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            zero = zero + 8 * scale
-        else:  # Q4_0: w = d * (q - 8)
-            zero = np.zeros_like(scale)
-        if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            q, scale, zero = (_undo_rotary_permute(a, heads) for a in (q, scale, zero))
-        out[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, zero))
+        parts = {"scale": scale}
+        if kind == _Q8_0:  # w = d * q
+            parts["codes"] = blocks[..., 2:].reshape(raw.shape[0], -1).view(np.int8)
+        else:
+            parts["codes"] = blocks[..., -16:].reshape(raw.shape[0], -1)
+            if kind == _Q4_1:  # w = d * q + m
+                parts["offset"] = (
+                    blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+                )
+            else:  # Q4_0: w = d * (q - 8)
+                parts["offset"] = -8 * scale
+        for part, array in parts.items():
+            if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+                array = _undo_rotary_permute(array, heads)
+            out[f"{name}.{part}"] = torch.from_numpy(np.ascontiguousarray(array))
     return out
 
 

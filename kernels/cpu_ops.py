@@ -317,3 +317,37 @@ def linear_small_rows(
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
     return ops.linear_small_rows(x, weight, bias)
+
+
+def linear_q4_small_rows(
+    x: torch.Tensor,  # [rows, in]
+    codes: torch.Tensor,  # [out, in / 2] uint8, GGUF Q4 blocks' codes
+    scale: torch.Tensor,  # [out, in / 32] float32
+    offset: torch.Tensor,  # [out, in / 32] float32
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:
+    """Launcher: x W^T (+ b) for a few rows with W = q * scale + offset
+    rebuilt from 4-bit codes as it streams (kernels/linear.BlockWeight). The
+    compiled op checks shapes, dtypes and layout."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    if x.dim() == 2 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return ops.linear_q4_small_rows(x, codes, scale, offset, bias)
+
+
+def linear_q8_small_rows(
+    x: torch.Tensor,  # [rows, in]
+    codes: torch.Tensor,  # [out, in] int8, GGUF Q8_0 blocks' codes
+    scale: torch.Tensor,  # [out, in / 32] float32
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:
+    """Launcher: x W^T (+ b) for a few rows with W = q * scale rebuilt from
+    8-bit codes as it streams (kernels/linear.BlockWeight)."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    if x.dim() == 2 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return ops.linear_q8_small_rows(x, codes, scale, bias)

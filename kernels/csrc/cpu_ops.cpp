@@ -22,5 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (CPU)");
   m.def("linear_small_rows", &linear_small_rows,
         "x W^T (+ b) for a few rows, streaming W once (CPU)");
+  m.def("linear_q4_small_rows", &linear_q4_small_rows,
+        "x W^T (+ b) for a few rows on GGUF Q4 blocks of W (CPU)");
+  m.def("linear_q8_small_rows", &linear_q8_small_rows,
+        "x W^T (+ b) for a few rows on GGUF Q8_0 blocks of W (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k in place (CPU)");
 }

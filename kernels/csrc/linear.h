@@ -10,6 +10,7 @@
 
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -130,6 +131,181 @@ torch::Tensor linear_small_rows(const torch::Tensor& x, const torch::Tensor& wei
                                 outs);
   });
   return out;
+}
+
+
+// The same product on weights as a GGUF file stores them, in blocks of 32
+// inputs with a float32 scale d (and for 4-bit codes an offset m) per block:
+// Q4_0 / Q4_1, 16 bytes of codes q in 0..15 (element j in the low nibble of
+// byte j, element j + 16 in the high one), w = q * d + m; Q8_0, 32 signed
+// bytes, w = q * d. Each weight is rebuilt in float32 with one FMA (or
+// multiply), which rounds once as the dequantizer's q * d + m does (q * d is
+// exact), so the kernel multiplies by exactly the float32 weights a GGUF
+// model is loaded with while reading 4.5 (8.5) bits per weight instead of 32.
+// A tile is one output row by up to four input rows, the weights rebuilt once
+// per tile; one or two rows keep four accumulators each so that the FMAs of
+// a block do not wait on one another.
+constexpr int kCodesBlock = 32;
+constexpr int kCodesTileIn = 4;
+
+struct Q4Codes {
+  static constexpr int kBytes = 16;
+  static constexpr bool kOffset = true;
+  static float code(const uint8_t* p, int j) {
+    return static_cast<float>(j < 16 ? (p[j] & 0xF) : (p[j - 16] >> 4));
+  }
+#ifdef PAGODA_SMALL_ROWS_SIMD
+  static void unpack(const uint8_t* p, __m256* q) {  // elements 0-7, 8-15, 16-23, 24-31
+    const __m256i low = _mm256_set1_epi32(0xF);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b1 =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+  }
+#endif
+};
+
+struct Q8Codes {
+  static constexpr int kBytes = 32;
+  static constexpr bool kOffset = false;
+  static float code(const uint8_t* p, int j) { return static_cast<float>(static_cast<int8_t>(p[j])); }
+#ifdef PAGODA_SMALL_ROWS_SIMD
+  static void unpack(const uint8_t* p, __m256* q) {
+    for (int j = 0; j < 4; ++j)
+      q[j] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j))));
+  }
+#endif
+};
+
+template <typename S, typename C, int R>
+inline void codes_tile(const typename S::T* const* xr, const uint8_t* q, const float* d,
+                       const float* off, int64_t blocks, float* sums) {
+#ifdef PAGODA_SMALL_ROWS_SIMD
+  constexpr int A = R <= 2 ? 4 : 2;  // accumulators per row
+  __m256 acc[R][A];
+  for (int m = 0; m < R; ++m)
+    for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 w[4];
+    C::unpack(q + b * C::kBytes, w);
+    const __m256 scale = _mm256_broadcast_ss(d + b);
+    for (int j = 0; j < 4; ++j)
+      w[j] = C::kOffset ? _mm256_fmadd_ps(w[j], scale, _mm256_broadcast_ss(off + b))
+                        : _mm256_mul_ps(w[j], scale);
+    for (int m = 0; m < R; ++m) {
+      const typename S::T* x = xr[m] + b * kCodesBlock;
+      for (int j = 0; j < 4; ++j)
+        acc[m][j % A] = _mm256_fmadd_ps(w[j], load8_f32(x + 8 * j), acc[m][j % A]);
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    __m256 total = acc[m][0];
+    for (int a = 1; a < A; ++a) total = _mm256_add_ps(total, acc[m][a]);
+    sums[m] = sum_lanes(total);
+  }
+#else
+  for (int m = 0; m < R; ++m) {
+    float s = 0.f;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int j = 0; j < kCodesBlock; ++j) {
+        const float code = C::code(q + b * C::kBytes, j);
+        const float w = C::kOffset ? std::fma(code, d[b], off[b]) : code * d[b];
+        s += w * S::load(xr[m][b * kCodesBlock + j]);
+      }
+    sums[m] = s;
+  }
+#endif
+}
+
+template <typename S, typename C>
+void linear_codes_kernel(const typename S::T* x, int64_t x_stride, const uint8_t* q,
+                         const float* d, const float* off, const typename S::T* bias,
+                         typename S::T* out, int64_t rows, int64_t in, int64_t outs) {
+  using T = typename S::T;
+  const int64_t blocks = in / kCodesBlock;
+  at::parallel_for(0, outs, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* qn = q + n * blocks * C::kBytes;
+      const float* dn = d + n * blocks;
+      const float* on = C::kOffset ? off + n * blocks : nullptr;
+      const float b = bias == nullptr ? 0.f : S::load(bias[n]);
+      for (int64_t m0 = 0; m0 < rows; m0 += kCodesTileIn) {
+        const T* xr[kCodesTileIn];
+        const int r = static_cast<int>(std::min<int64_t>(kCodesTileIn, rows - m0));
+        for (int m = 0; m < r; ++m) xr[m] = x + (m0 + m) * x_stride;
+        float sums[kCodesTileIn];
+        switch (r) {
+          case 1: codes_tile<S, C, 1>(xr, qn, dn, on, blocks, sums); break;
+          case 2: codes_tile<S, C, 2>(xr, qn, dn, on, blocks, sums); break;
+          case 3: codes_tile<S, C, 3>(xr, qn, dn, on, blocks, sums); break;
+          default: codes_tile<S, C, 4>(xr, qn, dn, on, blocks, sums); break;
+        }
+        for (int m = 0; m < r; ++m) out[(m0 + m) * outs + n] = S::store(sums[m] + b);
+      }
+    }
+  });
+}
+
+// Checks, then the kernel for codes C: x [rows, in] (rows may be strided),
+// codes [out, in * C::kBytes / 32] of `code_dtype`, scale (and offset)
+// [out, in / 32] float32, bias [out] or None; a new [rows, out] tensor in
+// x's dtype.
+template <typename C>
+torch::Tensor linear_codes(const char* op, at::ScalarType code_dtype, const char* code_name,
+                           const torch::Tensor& x,
+                           const torch::Tensor& codes, const torch::Tensor& scale,
+                           const torch::Tensor* offset, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2, op, ": x and codes must be 2-D");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scale.device().is_cpu() &&
+                  (offset == nullptr || offset->device().is_cpu()),
+              op, ": CPU tensors only");
+  const int64_t rows = x.size(0), in = x.size(1), outs = codes.size(0);
+  const int64_t blocks = in / kCodesBlock;
+  TORCH_CHECK(in % kCodesBlock == 0, op, ": ", in, " input features are not whole ", kCodesBlock,
+              "-element blocks");
+  TORCH_CHECK(codes.scalar_type() == code_dtype && codes.size(1) == blocks * C::kBytes, op,
+              ": codes must be ", code_name, " [out, ", blocks * C::kBytes, "]");
+  for (const torch::Tensor* t : {&scale, offset})
+    TORCH_CHECK(t == nullptr || (t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                                 t->size(0) == outs && t->size(1) == blocks && t->is_contiguous()),
+                op, ": scale and offset must be contiguous float32 [", outs, ", ", blocks, "]");
+  TORCH_CHECK(codes.is_contiguous(), op, ": codes must be contiguous");
+  TORCH_CHECK(x.stride(1) == 1, op, ": x rows must be contiguous");
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == outs && b.scalar_type() == x.scalar_type(), op, ": bias must have ",
+                outs, " entries of x's dtype");
+  }
+  auto out = torch::empty({rows, outs}, x.options());
+  if (rows == 0 || outs == 0) return out;
+  dispatch_storage(x.scalar_type(), op, [&](auto s) {
+    using S = decltype(s);
+    linear_codes_kernel<S, C>(ptr<S>(x), x.stride(0),
+                              reinterpret_cast<const uint8_t*>(codes.data_ptr()),
+                              scale.data_ptr<float>(),
+                              offset == nullptr ? nullptr : offset->data_ptr<float>(),
+                              b.defined() ? ptr<S>(b) : nullptr, ptr<S>(out), rows, in, outs);
+  });
+  return out;
+}
+
+// GGUF Q4_0 / Q4_1 blocks: codes [out, in / 2] uint8, scale and offset [out, in / 32].
+torch::Tensor linear_q4_small_rows(const torch::Tensor& x, const torch::Tensor& codes,
+                                   const torch::Tensor& scale, const torch::Tensor& offset,
+                                   const c10::optional<torch::Tensor>& bias) {
+  return linear_codes<Q4Codes>("linear_q4_small_rows", at::kByte, "uint8", x, codes, scale, &offset, bias);
+}
+
+// GGUF Q8_0 blocks: codes [out, in] int8, scale [out, in / 32].
+torch::Tensor linear_q8_small_rows(const torch::Tensor& x, const torch::Tensor& codes,
+                                   const torch::Tensor& scale,
+                                   const c10::optional<torch::Tensor>& bias) {
+  return linear_codes<Q8Codes>("linear_q8_small_rows", at::kChar, "int8", x, codes, scale, nullptr, bias);
 }
 
 }  // namespace

@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from engine_core.attention import decode_attention, reference_attention
 from kernels import cpu_ops
 from kernels.linear import (
+    BLOCKS_MAX_ROWS,
     INT4_MAX_ROWS,
     SMALL_ROWS_MAX,
+    BlockWeight,
     Linear,
     int4_available,
     pack_int4,
@@ -306,6 +308,99 @@ def test_small_rows_linear_rejects_bad_input() -> None:
         cpu_ops.linear_small_rows(torch.randn(2, 7), torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="bias must have 4"):
         cpu_ops.linear_small_rows(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
+
+
+def random_q4(outs: int, ins: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
+    """GGUF-style Q4_1 blocks with float16 scales and offsets, and the float32
+    weights a dequantizer makes of them: q * d + m, rounded once."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (outs, ins), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(outs, ins // 32, generator=gen) * 0.05 + 1e-3).half().float()
+    offset = (-8 * scale * torch.rand(outs, ins // 32, generator=gen)).half().float()
+    blocks = q.view(outs, -1, 2, 16)  # per block: elements 0-15, then 16-31
+    codes = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(outs, ins // 2).contiguous()
+    dense = (
+        q.double().view(outs, -1, 32) * scale.double()[..., None] + offset.double()[..., None]
+    ).float()  # exact product, one rounding of the sum
+    return BlockWeight(codes, scale, offset), dense.view(outs, ins)
+
+
+def random_q8(outs: int, ins: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
+    """GGUF-style Q8_0 blocks and their float32 weights, q * d (exact)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (outs, ins), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(outs, ins // 32, generator=gen) * 0.01 + 1e-4).half().float()
+    dense = (codes.float().view(outs, -1, 32) * scale[..., None]).view(outs, ins)
+    return BlockWeight(codes, scale, None), dense
+
+
+@needs_compiled
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_block_linear_matches_its_dequantized_weights(
+    rows: int, dtype: torch.dtype, kind: str
+) -> None:
+    """The 4-bit and 8-bit kernels rebuild exactly the dequantized float32
+    weights: only the order of the float32 sums differs from x W^T; every
+    tile width (1-4 rows), strided rows of x, a bias, half-precision
+    activations."""
+    weight, dense = (random_q4 if kind == "q4" else random_q8)(37, 96, seed=rows)
+    gen = torch.Generator().manual_seed(rows + 100)
+    bias = torch.randn(37, generator=gen)
+    wide = torch.randn(rows, 96 + 3, generator=gen)
+    x = wide[:, 1:97]
+    out = weight.matmul(x.to(dtype), bias.to(dtype))
+    assert out.shape == (rows, 37) and out.dtype == dtype
+    ref = F.linear(x.to(dtype).double(), dense.double(), bias.to(dtype).double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    else:  # float32 sums, rounded once to bfloat16
+        torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=1e-2, atol=2e-2)
+
+
+@needs_compiled
+def test_linear_with_blocks_uses_them_for_few_rows() -> None:
+    """Up to BLOCKS_MAX_ROWS rows a Linear with GGUF blocks reads them (no plain
+    copy is kept); above, the dense weights. Both give x W^T."""
+    weight, dense = random_q4(40, 64, seed=5)
+    linear = Linear(dense, None, small_rows=True, blocks=weight)
+    assert linear.plain is None
+    gen = torch.Generator().manual_seed(6)
+    for rows in (1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1):
+        x = torch.randn(rows, 64, generator=gen)
+        assert rel_err(linear(x), reference_linear(x, dense)) < 1e-6
+    weight.scale.zero_()
+    assert weight.offset is not None
+    weight.offset.zero_()
+    assert not linear(torch.randn(BLOCKS_MAX_ROWS, 64)).any()
+    assert linear(torch.randn(BLOCKS_MAX_ROWS + 1, 64)).any()
+
+
+@needs_compiled
+def test_block_linears_reject_bad_input() -> None:
+    weight, _ = random_q4(4, 64, seed=7)
+    codes, scale, offset = weight.codes, weight.scale, weight.offset
+    assert offset is not None
+    with pytest.raises(RuntimeError, match="not whole 32-element blocks"):
+        cpu_ops.linear_q4_small_rows(torch.randn(2, 48), codes[:, :24], scale, offset)
+    with pytest.raises(RuntimeError, match="codes must be uint8"):
+        cpu_ops.linear_q4_small_rows(torch.randn(2, 64), codes.int(), scale, offset)
+    with pytest.raises(RuntimeError, match="codes must be uint8"):
+        cpu_ops.linear_q4_small_rows(torch.randn(2, 96), codes, scale, offset)
+    with pytest.raises(RuntimeError, match="scale and offset must be"):
+        cpu_ops.linear_q4_small_rows(torch.randn(2, 64), codes, scale[:3], offset)
+    with pytest.raises(RuntimeError, match="scale and offset must be"):
+        cpu_ops.linear_q4_small_rows(torch.randn(2, 64), codes, scale, offset.half())
+    with pytest.raises(RuntimeError, match="bias must have 4"):
+        cpu_ops.linear_q4_small_rows(torch.randn(2, 64), codes, scale, offset, torch.randn(5))
+    q8, _ = random_q8(4, 64, seed=8)
+    with pytest.raises(RuntimeError, match="codes must be int8"):
+        cpu_ops.linear_q8_small_rows(torch.randn(2, 64), codes, scale)  # 4-bit codes
+    with pytest.raises(RuntimeError, match="scale and offset must be"):
+        cpu_ops.linear_q8_small_rows(torch.randn(2, 64), q8.codes, q8.scale.double())
+    with pytest.raises(RuntimeError, match="dtype|float32, bfloat16 or float16"):
+        cpu_ops.linear_q8_small_rows(torch.randn(2, 64).double(), q8.codes, q8.scale)
 
 
 def test_padded_rows_are_few_and_waste_little() -> None:
