@@ -18,8 +18,10 @@ sequence (the runner's choice between them, COMPILED_PROMPT_MAX_LEN).
 Linears: the default model's 30 layers of projections (qkv, o, gate|up,
 down), each layer's weights its own so they come from memory as in the
 model, at 1 to 64 rows: oneDNN's packed path against the few-row kernel on
-the plain weights (kernels/linear.py's choice, SMALL_ROWS_MAX), the two
-alternated, the best of 7 rounds each; then the 49152-wide head at 1 row.
+the plain weights (kernels/linear.py's choice, SMALL_ROWS_MAX) and, in
+float32, the kernel on the default model's own GGUF blocks (BlockWeight,
+BLOCKS_MAX_ROWS), alternated, the best of 7 rounds each; then the
+49152-wide head at 1 row.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.attention import prefill_attention
+from engine_core.model_config import default_model_path, load_model_config
 from engine_core.models.llama import _apply_rope
+from engine_core.weights import load_gguf_blocks
 from kernels import cpu_ops
-from kernels.linear import Linear
+from kernels.linear import BlockWeight, Linear
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -147,6 +151,8 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
         for _ in range(layers)
     ]
     name = str(dtype).split(".")[-1]
+    # The GGUF blocks kernels run float32 models only (their weights exactly).
+    blocks, head_blocks = default_model_blocks(layers) if dtype == torch.float32 else ([], None)
     for rows in (1, 4, 8, 16, 32, 64):
         xs = [torch.randn(rows, shape[1], generator=gen).to(dtype) for shape in LAYER_SHAPES]
 
@@ -160,22 +166,62 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
                 for w, x in zip(layer, xs, strict=True):
                     cpu_ops.linear_small_rows(x, w)
 
-        best = {"onednn": float("inf"), "few_rows": float("inf")}
+        def gguf_blocks(xs: list[torch.Tensor] = xs) -> None:
+            for layer in blocks:
+                for w, x in zip(layer, xs, strict=True):
+                    w.matmul(x, None)
+
+        runs = {"oneDNN": onednn, "few-row kernel": few_rows}
+        if blocks:
+            runs["GGUF blocks"] = gguf_blocks
+        best = dict.fromkeys(runs, float("inf"))
         for _ in range(7):
-            best["onednn"] = min(best["onednn"], per_call_us(onednn, 1) / 1e3)
-            best["few_rows"] = min(best["few_rows"], per_call_us(few_rows, 1) / 1e3)
-        print(
-            f"{name:>9} {rows:>4} rows, {layers} layers: oneDNN {best['onednn']:6.1f} ms, "
-            f"few-row kernel {best['few_rows']:6.1f} ms"
-        )
+            for key, fn in runs.items():
+                best[key] = min(best[key], per_call_us(fn, 1) / 1e3)
+        figures = ", ".join(f"{key} {ms:6.1f} ms" for key, ms in best.items())
+        print(f"{name:>9} {rows:>4} rows, {layers} layers: {figures}")
     head = (torch.randn(49152, 576, generator=gen) * 0.05).to(dtype)
     packed_head, x = Linear(head), torch.randn(1, 576, generator=gen).to(dtype)
-    onednn_ms = min(per_call_us(lambda: packed_head(x), 1) for _ in range(7)) / 1e3
-    few_ms = min(per_call_us(lambda: cpu_ops.linear_small_rows(x, head), 1) for _ in range(7)) / 1e3
-    print(
-        f"{name:>9} head 49152 x 576, 1 row: oneDNN {onednn_ms:.1f} ms, "
-        f"few-row kernel {few_ms:.1f} ms"
+    heads = {
+        "oneDNN": lambda: packed_head(x),
+        "few-row kernel": lambda: cpu_ops.linear_small_rows(x, head),
+    }
+    if head_blocks is not None:
+        heads["GGUF blocks (Q8_0)"] = lambda: head_blocks.matmul(x, None)
+    figures = ", ".join(
+        f"{key} {min(per_call_us(fn, 1) for _ in range(7)) / 1e3:.1f} ms"
+        for key, fn in heads.items()
     )
+    print(f"{name:>9} head 49152 x 576, 1 row: {figures}")
+
+
+def default_model_blocks(layers: int) -> tuple[list[list[BlockWeight]], BlockWeight | None]:
+    """The default model's GGUF blocks, fused per layer as LlamaModel fuses them
+    (qkv, o, gate|up, down), and its Q8_0 embeddings (the tied head)."""
+    config = load_model_config(default_model_path())
+    found = load_gguf_blocks(config)
+
+    def fused(*names: str) -> BlockWeight:
+        parts = [found[name] for name in names]
+        offsets = [p[2] for p in parts]
+        offset = None if offsets[0] is None else torch.cat(offsets)  # type: ignore[arg-type]
+        return BlockWeight(
+            torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), offset
+        )
+
+    model = []
+    for i in range(layers):
+        p = f"layers.{i}."
+        model.append(
+            [
+                fused(*(f"{p}{n}_proj.weight" for n in "qkv")),
+                fused(p + "o_proj.weight"),
+                fused(p + "gate_proj.weight", p + "up_proj.weight"),
+                fused(p + "down_proj.weight"),
+            ]
+        )
+    head = fused("embed_tokens.weight") if "embed_tokens.weight" in found else None
+    return model, head
 
 
 def main() -> None:

@@ -7,6 +7,12 @@ state. Prints a table and, with --json, writes the figures.
 
     python scripts/bench_throughput.py                 # W1, both systems
     python scripts/bench_throughput.py --no-hf         # Pagoda only
+    python scripts/bench_throughput.py --no-hf --decode-step --num-prompts 1
+
+--decode-step also times the same prompts' prefill and first token alone (on
+fresh prompts of the same shape, so that no prefix is cached) and reports the
+rest per decode step: (elapsed - prefill) / (output_len - 1), the step time
+at a batch of --num-prompts.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
 
 
-def bench_pagoda(prompts: list[list[int]], output_len: int, dtype: str) -> dict[str, Any]:
+def bench_pagoda(
+    prompts: list[list[int]], output_len: int, dtype: str, fresh: list[list[int]] | None = None
+) -> dict[str, Any]:
     from frontend import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -36,13 +44,19 @@ def bench_pagoda(prompts: list[list[int]], output_len: int, dtype: str) -> dict[
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {
+    result = {
         "system": "pagoda",
         "elapsed_s": elapsed,
         "output_tokens": num_out,
         "output_tok_s": num_out / elapsed,
         "load_s": load_s,
     }
+    if fresh is not None and output_len > 1:
+        t0 = time.perf_counter()
+        llm.generate(fresh, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        result["prefill_s"] = time.perf_counter() - t0
+        result["decode_step_ms"] = (elapsed - result["prefill_s"]) / (output_len - 1) * 1e3
+    return result
 
 
 def bench_hf(prompts: list[list[int]], output_len: int, dtype: str) -> dict[str, Any]:
@@ -89,16 +103,25 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-step", action="store_true", help="also the time per decode step")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
 
     prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
-    results = [bench_pagoda(prompts, args.output_len, args.dtype)]
+    fresh = None
+    if args.decode_step:
+        fresh = make_prompts(args.num_prompts, args.input_len, 49152, args.seed + 1)
+    results = [bench_pagoda(prompts, args.output_len, args.dtype, fresh)]
     if args.hf:
         results.append(bench_hf(prompts, args.output_len, args.dtype))
     print(f"W: {args.num_prompts} x ({args.input_len} -> {args.output_len}), {args.dtype}")
     for r in results:
         print(f"{r['system']:>28}: {r['output_tok_s']:8.1f} output tok/s ({r['elapsed_s']:.1f} s)")
+        if "decode_step_ms" in r:
+            print(
+                f"{'':>28}  prefill + first token {r['prefill_s'] * 1e3:.0f} ms, "
+                f"then {r['decode_step_ms']:.1f} ms per decode step"
+            )
     if args.hf:
         ratio = results[0]["output_tok_s"] / results[1]["output_tok_s"]
         print(f"{'pagoda / hf':>28}: {ratio:8.2f}x")
