@@ -136,13 +136,14 @@ class ModelRunner(RunnerUtilities):
         int4 = None
         if self.config.quantization == "gguf" and self.device.type == "cpu" and int4_available():
             int4 = load_int4_weights(self.model_config)
-        # A float32 model from a GGUF file's quantized blocks: the few-row
-        # kernels stream the blocks themselves (kernels/linear.BlockWeight).
+        # A model from a GGUF file's quantized blocks: the few-row kernels
+        # stream the blocks themselves (kernels/linear.BlockWeight); in half
+        # precision --quantization gguf's 4-bit path takes small steps instead.
         blocks = None
         if (
             self.model_config.is_gguf
             and self.device.type == "cpu"
-            and self.dtype == torch.float32
+            and (int4 is None or self.dtype == torch.float32)
             and load_cpu_ops() is not None
         ):
             blocks = load_gguf_blocks(self.model_config)

@@ -22,12 +22,13 @@ without hardware bfloat16 (or float16) arithmetic, linears in that dtype
 run on the kernel at every batch size, with the plain weights as their only
 copy: oneDNN is 4-5x slower there.
 
-A float32 model loaded from a GGUF file needs no plain copy: its weights
+A model loaded from a GGUF file needs no plain copy: its float32 weights
 are the file's Q4_0/Q4_1/Q8_0 blocks dequantized, and the block kernels
 (BlockWeight) read those blocks, 14-16% (4-bit) or 27% (Q8_0) of the
 float32 bytes, and rebuild each weight in registers with the one rounding
-the dequantizer used, so they multiply by exactly the model's weights
-(figures at BLOCKS_MAX_ROWS).
+the dequantizer used, so they multiply by exactly the model's float32
+weights (figures at BLOCKS_MAX_ROWS). In half precision that is the
+unrounded weights, closer to float32 than the model's dense bf16 ones.
 
 oneDNN (and ideep above it) build and cache a primitive, JIT code included,
 for every distinct row count they see. A server sees thousands of different
@@ -122,11 +123,14 @@ class BlockWeight:
 
 
 # Row counts up to which a Linear with GGUF blocks runs on them. Over the
-# default model's 30 layers of linears (Q4_1) on 2 AVX2 cores (best of 5,
-# cold caches), the block kernel vs the float32 few-row kernel vs oneDNN
-# packed, ms: 1 row 6.5 / 16.2 / 23.5, 4 rows 10.6 / 19.0 / 28.7, 8 rows
-# 20.4 / 27.3 / 34.1, 16 rows 41.5 / 49.9 / 51.5.
-BLOCKS_MAX_ROWS = 16
+# default model's 30 layers of linears (Q4_1) on 2 AVX2 cores (cold caches;
+# `python scripts/bench_cpu_kernels.py --linear`), the block kernel vs the
+# float32 few-row kernel vs oneDNN packed, ms: 1 row 6.4 / 20.1 / 25.7, 4
+# rows 9.0 / 19.3 / 29.6, 8 rows 17.8 / 25.8 / 34.9, 16 rows 37.1 / 45.4 /
+# 45.4, 32 rows 86 / 87 / 69. Half precision the CPU multiplies natively
+# keeps to 4 rows, where streaming the weights is the whole of the time (as
+# SMALL_ROWS_MAX); without hardware for it, 16 as in float32.
+BLOCKS_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4, torch.float16: 4}
 
 
 # Row counts up to which the compiled few-row kernel beats oneDNN's packed
@@ -173,8 +177,11 @@ class Linear:
         # The same weights as the GGUF file's blocks, exactly, for up to
         # BLOCKS_MAX_ROWS rows; they take the place of the plain copy below.
         self.blocks = blocks if blocks is not None and cpu_ops.load_cpu_ops() is not None else None
+        self.blocks_max_rows = BLOCKS_MAX_ROWS[torch.float32]
         if self.blocks is not None:
             small_rows = False
+            if cpu_ops.cpu_has_native(weight.dtype):
+                self.blocks_max_rows = BLOCKS_MAX_ROWS[weight.dtype]
         self.packed = _can_pack(weight)
         # Plain weights for the few-row kernel (see the module docstring), used
         # up to small_rows_max rows; None: at every row count.
@@ -204,7 +211,7 @@ class Linear:
             out = int4_matmul(x, int4)
             return out if self.bias is None else out + self.bias
         rows = x.shape[0]
-        if self.blocks is not None and rows <= BLOCKS_MAX_ROWS:
+        if self.blocks is not None and rows <= self.blocks_max_rows:
             return self.blocks.matmul(x, self.bias)
         limit = self.small_rows_max
         if self.plain is not None and (limit is None or rows <= limit):

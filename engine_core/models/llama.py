@@ -117,8 +117,8 @@ class LlamaModel:
         # Small batches stream every weight from memory; the few-row kernel does
         # that faster than oneDNN from a second, plain copy of the weights
         # (kernels/linear.py), kept while the layers' linears are a small share of
-        # the machine's memory. The head's plain weights are kept anyway. A float32
-        # model from a GGUF file's 4-bit blocks streams those blocks instead
+        # the machine's memory. The head's plain weights are kept anyway. A model
+        # from a GGUF file's quantized blocks streams those blocks instead
         # (kernels/linear.BlockWeight): a quarter of the time, and no second copy.
         layer_bytes = (
             sum(
@@ -135,9 +135,10 @@ class LlamaModel:
 
         def take_blocks(*names: str) -> BlockWeight | None:
             """The named weights' GGUF blocks fused along the output, if all have
-            them in one kind. Only for float32, whose weights they give exactly."""
+            them in one kind: exactly the float32 weights (in half precision,
+            the dense weights rounded are not quite them)."""
             parts = [blocks.pop(name, None) for name in names]
-            if device.type != "cpu" or dtype != torch.float32 or any(p is None for p in parts):
+            if device.type != "cpu" or any(p is None for p in parts):
                 return None
             if len({p[2] is None for p in parts}) != 1:  # type: ignore[index]
                 return None  # 4-bit and 8-bit parts do not fuse

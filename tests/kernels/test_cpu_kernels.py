@@ -360,21 +360,30 @@ def test_block_linear_matches_its_dequantized_weights(
 
 
 @needs_compiled
-def test_linear_with_blocks_uses_them_for_few_rows() -> None:
-    """Up to BLOCKS_MAX_ROWS rows a Linear with GGUF blocks reads them (no plain
-    copy is kept); above, the dense weights. Both give x W^T."""
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_with_blocks_uses_them_for_few_rows(
+    dtype: torch.dtype, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to BLOCKS_MAX_ROWS rows (float32's where the CPU lacks hardware for
+    the dtype) a Linear with GGUF blocks reads them (no plain copy is kept);
+    above, the dense weights. Both give x W^T."""
+    monkeypatch.setattr(cpu_ops, "cpu_has_native", lambda d: native or d == torch.float32)
     weight, dense = random_q4(40, 64, seed=5)
-    linear = Linear(dense, None, small_rows=True, blocks=weight)
-    assert linear.plain is None
+    linear = Linear(dense.to(dtype), None, small_rows=True, blocks=weight)
+    limit = BLOCKS_MAX_ROWS[dtype if native else torch.float32]
+    assert linear.blocks_max_rows == limit
+    assert linear.plain is None or not native  # without hardware: the only copy
     gen = torch.Generator().manual_seed(6)
-    for rows in (1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1):
-        x = torch.randn(rows, 64, generator=gen)
-        assert rel_err(linear(x), reference_linear(x, dense)) < 1e-6
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        ref = reference_linear(x.float(), dense)
+        assert rel_err(linear(x), ref) < (1e-6 if dtype == torch.float32 else 1e-2)
     weight.scale.zero_()
     assert weight.offset is not None
     weight.offset.zero_()
-    assert not linear(torch.randn(BLOCKS_MAX_ROWS, 64)).any()
-    assert linear(torch.randn(BLOCKS_MAX_ROWS + 1, 64)).any()
+    assert not linear(torch.randn(limit, 64).to(dtype)).any()
+    assert linear(torch.randn(limit + 1, 64).to(dtype)).any()
 
 
 @needs_compiled
