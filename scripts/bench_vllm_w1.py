@@ -45,7 +45,8 @@ def run_vllm(model: str, label: str) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49152) for _ in range(128)] for _ in range(64)]
     llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, seed=0)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4))
+    # Warm up on a prompt it does not measure (reversed: no prefix in common).
+    llm.generate([{"prompt_token_ids": prompts[0][::-1]}], SamplingParams(max_tokens=4))
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
