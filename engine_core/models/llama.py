@@ -137,13 +137,19 @@ class LlamaModel:
             """The named weights' GGUF blocks fused along the output, if all have
             them in one kind: exactly the float32 weights (in half precision,
             the dense weights rounded are not quite them)."""
-            parts = [blocks.pop(name, None) for name in names]
-            if device.type != "cpu" or any(p is None for p in parts):
+            found = [blocks.pop(name, None) for name in names]
+            parts = [p for p in found if p is not None]
+            if device.type != "cpu" or len(parts) != len(found):
                 return None
-            if len({p[2] is None for p in parts}) != 1:  # type: ignore[index]
+            offsets = [p[2] for p in parts]
+            codes = torch.cat([p[0] for p in parts])
+            scale = torch.cat([p[1] for p in parts])
+            if all(o is None for o in offsets):
+                offset = None  # Q8_0
+            elif any(o is None for o in offsets):
                 return None  # 4-bit and 8-bit parts do not fuse
-            codes, scale = (torch.cat([p[i] for p in parts]) for i in range(2))  # type: ignore[index]
-            offset = None if parts[0][2] is None else torch.cat([p[2] for p in parts])  # type: ignore[index, misc]
+            else:
+                offset = torch.cat([o for o in offsets if o is not None])
             return BlockWeight(codes, scale, offset)
 
         # The head's weights in the plain layout, for compute_logits' float32
