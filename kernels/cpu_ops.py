@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -103,6 +104,16 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
     return any(flag in flags for flag in _NATIVE_FLAGS.get(dtype, ()))
 
 
+def _run(ops: ModuleType, name: str, *args: Any) -> Any:
+    """ops.<name>(*args). Under torch's profiler the call is recorded as
+    pagoda::<name>: calls into the extension are otherwise missing from a trace."""
+    fn = getattr(ops, name)
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return fn(*args)
+    with torch.profiler.record_function(f"pagoda::{name}"):
+        return fn(*args)
+
+
 def load_cpu_ops() -> ModuleType | None:
     """The compiled module, or None when it cannot be built here."""
     global _module, _failed
@@ -179,7 +190,9 @@ def paged_decode_attention(
         raise ValueError("this kernel runs on the CPU")
     query = query.contiguous()
     out = torch.empty_like(query)
-    ops.paged_decode_attention(
+    _run(
+        ops,
+        "paged_decode_attention",
         out,
         query,
         k_cache.contiguous(),
@@ -217,7 +230,7 @@ def fused_add_rms_norm(
         raise ValueError("x, residual and weight must share a dtype")
     if not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()):
         raise ValueError("x, residual and weight must be contiguous")
-    ops.fused_add_rms_norm(x, residual, weight, float(eps))
+    _run(ops, "fused_add_rms_norm", x, residual, weight, float(eps))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -230,7 +243,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not gate_up.is_contiguous():
         raise ValueError("gate_up must be contiguous")
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    ops.silu_and_mul(out, gate_up)
+    _run(ops, "silu_and_mul", out, gate_up)
     return out
 
 
@@ -263,7 +276,7 @@ def rotary_embedding(
     if positions.dtype != torch.int64 or positions.shape != (query.shape[0],):
         raise ValueError("positions must be int64 [num_tokens]")
     # The compiled op checks each position against the tables' length.
-    ops.rotary_embedding(query, key, positions.contiguous(), cos, sin)
+    _run(ops, "rotary_embedding", query, key, positions.contiguous(), cos, sin)
 
 
 def refine_leading_logits(
@@ -286,7 +299,7 @@ def refine_leading_logits(
     if logits.shape[0] != hidden.shape[0] or weight.shape != (logits.shape[1], hidden.shape[1]):
         raise ValueError("shapes do not match: logits [R, V], hidden [R, D], weight [V, D]")
     bias = _NO_BIAS if bias is None else bias.contiguous()
-    ops.refine_leading_logits(logits, hidden, weight, bias, mantissa_bits, max_per_row)
+    _run(ops, "refine_leading_logits", logits, hidden, weight, bias, mantissa_bits, max_per_row)
 
 
 _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
@@ -300,7 +313,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError("expected logits [rows, vocab]")
-    return ops.argmax_rows(logits.contiguous())
+    return _run(ops, "argmax_rows", logits.contiguous())
 
 
 def linear_small_rows(
@@ -316,7 +329,7 @@ def linear_small_rows(
         raise RuntimeError("compiled CPU kernels are not available")
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
-    return ops.linear_small_rows(x, weight, bias)
+    return _run(ops, "linear_small_rows", x, weight, bias)
 
 
 def linear_q4_small_rows(
@@ -334,7 +347,7 @@ def linear_q4_small_rows(
         raise RuntimeError("compiled CPU kernels are not available")
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
-    return ops.linear_q4_small_rows(x, codes, scale, offset, bias)
+    return _run(ops, "linear_q4_small_rows", x, codes, scale, offset, bias)
 
 
 def linear_q8_small_rows(
@@ -350,4 +363,4 @@ def linear_q8_small_rows(
         raise RuntimeError("compiled CPU kernels are not available")
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
-    return ops.linear_q8_small_rows(x, codes, scale, bias)
+    return _run(ops, "linear_q8_small_rows", x, codes, scale, bias)

@@ -610,3 +610,17 @@ def test_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path) -> None:  # 
     cpu_ops._clear_stale_lock(tmp_path)
     assert not lock.exists()
     assert cpu_ops._import_built(tmp_path) is None  # nothing built there
+
+
+@needs_compiled
+def test_compiled_ops_are_named_in_a_profile() -> None:
+    """Calls into the extension appear in torch's profiler as pagoda::<op>, so a
+    trace shows the few-row linears and the fused ops, not a gap."""
+    weight, dense = random_q4(40, 64, seed=9)
+    linear = Linear(dense, None, blocks=weight)
+    x = torch.randn(2, 64)
+    with torch.profiler.profile() as prof:
+        linear(x)
+        cpu_ops.silu_and_mul(torch.randn(2, 64))
+    names = {event.name for event in prof.events()}
+    assert {"pagoda::linear_q4_small_rows", "pagoda::silu_and_mul"} <= names
