@@ -49,7 +49,7 @@ def test_sigterm_lets_in_flight_requests_finish(server: Server) -> None:
         # Long enough (seconds at any speed this suite runs at) to still be in
         # flight while the probes below run; a few tokens can finish, and the
         # drained server exit, before the first probe connects.
-        body = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 96, "ignore_eos": True}
+        body = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 300, "ignore_eos": True}
         thread, result = post_in_thread(base, body)
         wait_load(base, 1)
         api.send_signal(signal.SIGTERM)
@@ -61,7 +61,7 @@ def test_sigterm_lets_in_flight_requests_finish(server: Server) -> None:
         assert api.wait(timeout=200) == 0
         thread.join(timeout=10)
         assert result and result[0].status_code == 200, result
-        assert result[0].json()["usage"]["completion_tokens"] == 96
+        assert result[0].json()["usage"]["completion_tokens"] == 300
         assert result[0].json()["choices"][0]["finish_reason"] == "length"
     finally:
         procs.stop()
@@ -118,14 +118,16 @@ def test_pagoda_serve_sigterm_drains_then_all_children_exit() -> None:
         children = subprocess.run(
             ["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True
         ).stdout.split()
-        body = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 5, "ignore_eos": True}
+        # Long enough (a few seconds) to be in flight when /load is polled and
+        # when SIGTERM lands: 5 tokens could finish before the first poll.
+        body = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
         thread, result = post_in_thread(base, body)
         wait_load(base, 1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=200) == 0
         thread.join(timeout=10)
         assert result and result[0].status_code == 200, result
-        assert result[0].json()["usage"]["completion_tokens"] == 5
+        assert result[0].json()["usage"]["completion_tokens"] == 200
         for pid in children:
             assert not os.path.exists(f"/proc/{pid}") or _is_zombie(int(pid))
     finally:
