@@ -18,8 +18,8 @@ sequence (the runner's choice between them, COMPILED_PROMPT_MAX_LEN).
 Linears: the default model's 30 layers of projections (qkv, o, gate|up,
 down), each layer's weights its own so they come from memory as in the
 model, at 1 to 64 rows: oneDNN's packed path against the few-row kernel on
-the plain weights (kernels/linear.py's choice, SMALL_ROWS_MAX) and, in
-float32, the kernel on the default model's own GGUF blocks (BlockWeight,
+the plain weights (kernels/linear.py's choice, SMALL_ROWS_MAX) and
+the kernel on the default model's own GGUF blocks (BlockWeight,
 BLOCKS_MAX_ROWS), alternated, the best of 7 rounds each; then the
 49152-wide head at 1 row.
 """
@@ -151,9 +151,9 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
         for _ in range(layers)
     ]
     name = str(dtype).split(".")[-1]
-    # The GGUF blocks kernels run float32 models only (their weights exactly).
-    blocks, head_blocks = default_model_blocks(layers) if dtype == torch.float32 else ([], None)
-    for rows in (1, 4, 8, 16, 32, 64):
+    # The GGUF blocks kernels run float32 and bfloat16 models.
+    blocks, head_blocks = default_model_blocks(layers) if dtype != torch.float16 else ([], None)
+    for rows in (1, 2, 4, 8, 16, 32, 64):
         xs = [torch.randn(rows, shape[1], generator=gen).to(dtype) for shape in LAYER_SHAPES]
 
         def onednn(xs: list[torch.Tensor] = xs) -> None:
@@ -228,11 +228,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--attention", action="store_true", help="attention instead")
     parser.add_argument("--linear", action="store_true", help="few-row linears instead")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="one dtype only (default: both)"
+    )
     args = parser.parse_args()
     if cpu_ops.load_cpu_ops() is None:
         raise SystemExit("the compiled CPU kernels are not available here")
+    dtypes = [getattr(torch, args.dtype)] if args.dtype else [torch.float32, torch.bfloat16]
     if args.linear:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             bench_linears(dtype)
         return
     if args.attention:
@@ -241,7 +245,7 @@ def main() -> None:
             bench_prompt_attention(seqs, length)
         return
     print(f"{'dtype':>9} {'rows':>5} {'op':>13} {'compiled us':>12} {'torch us':>9}")
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in reversed(dtypes):
         for rows in (64, 4096):
             bench_size(dtype, rows)
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -221,11 +222,115 @@ inline void codes_tile(const typename S::T* const* xr, const uint8_t* q, const f
 #endif
 }
 
+#if defined(__AVX512F__)
+#define PAGODA_CODES_AVX512 1
+// With AVX512 the input rows are first converted to float32 (a few KB), and
+// a 4-bit block's weights come from a table: its sixteen possible values
+// q * d + m (one FMA, the dequantizer's rounding), looked up by each code
+// with vpermps, which reads only an index's low 4 bits. A tile is two output
+// rows by up to four input rows. The default model's 30 layers at one
+// bfloat16 row: 6.9 ms against 12.0 for the AVX2 form, which converts the
+// inputs and rebuilds with a convert and an FMA per 8 weights.
+constexpr int kCodesTileOut512 = 2;
+
+inline void rebuild_x32(Q4Codes, const uint8_t* p, const float* d, const float* off, __m512* w) {
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_fmadd_ps(codes, _mm512_set1_ps(*d), _mm512_set1_ps(*off));
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w[0] = _mm512_permutexvar_ps(bytes, table);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
+inline void rebuild_x32(Q8Codes, const uint8_t* p, const float* d, const float*, __m512* w) {
+  const __m512 scale = _mm512_set1_ps(*d);
+  for (int h = 0; h < 2; ++h)
+    w[h] = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)))),
+        scale);
+}
+
+// sums[n][m] = x[m] . w[n] for the tile's O output rows (codes q, d, off at
+// stride `row` blocks apart) and R float32 input rows of `in` elements.
+template <typename C, int O, int R>
+inline void codes_tile_512(const float* x, int64_t in, const uint8_t* q, const float* d,
+                           const float* off, int64_t blocks, float (*sums)[kCodesTileIn]) {
+  __m512 acc[O][R][2];
+  for (int n = 0; n < O; ++n)
+    for (int m = 0; m < R; ++m) acc[n][m][0] = acc[n][m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 w[O][2];
+    for (int n = 0; n < O; ++n)
+      rebuild_x32(C{}, q + (n * blocks + b) * C::kBytes, d + n * blocks + b,
+                  C::kOffset ? off + n * blocks + b : nullptr, w[n]);
+    for (int m = 0; m < R; ++m) {
+      const __m512 x0 = _mm512_loadu_ps(x + m * in + b * kCodesBlock);
+      const __m512 x1 = _mm512_loadu_ps(x + m * in + b * kCodesBlock + 16);
+      for (int n = 0; n < O; ++n) {
+        acc[n][m][0] = _mm512_fmadd_ps(w[n][0], x0, acc[n][m][0]);
+        acc[n][m][1] = _mm512_fmadd_ps(w[n][1], x1, acc[n][m][1]);
+      }
+    }
+  }
+  for (int n = 0; n < O; ++n)
+    for (int m = 0; m < R; ++m)
+      sums[n][m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n][m][0], acc[n][m][1]));
+}
+
+template <typename S, typename C, int O>
+inline void codes_tiles_512(const float* x, int64_t in, int64_t rows, const uint8_t* q,
+                            const float* d, const float* off, int64_t blocks,
+                            float (*sums)[kCodesTileIn], int64_t m0) {
+  const float* xm = x + m0 * in;
+  switch (std::min<int64_t>(kCodesTileIn, rows - m0)) {
+    case 1: return codes_tile_512<C, O, 1>(xm, in, q, d, off, blocks, sums);
+    case 2: return codes_tile_512<C, O, 2>(xm, in, q, d, off, blocks, sums);
+    case 3: return codes_tile_512<C, O, 3>(xm, in, q, d, off, blocks, sums);
+    default: return codes_tile_512<C, O, 4>(xm, in, q, d, off, blocks, sums);
+  }
+}
+
+template <typename S, typename C>
+void linear_codes_kernel_512(const typename S::T* x, int64_t x_stride, const uint8_t* q,
+                             const float* d, const float* off, const typename S::T* bias,
+                             typename S::T* out, int64_t rows, int64_t in, int64_t outs) {
+  const int64_t blocks = in / kCodesBlock;
+  std::vector<float> xf(static_cast<size_t>(rows * in));
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t k = 0; k < in; ++k) xf[m * in + k] = S::load(x[m * x_stride + k]);
+  const int64_t pairs = (outs + kCodesTileOut512 - 1) / kCodesTileOut512;
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t n0 = pair * kCodesTileOut512;
+      const int o = static_cast<int>(std::min<int64_t>(kCodesTileOut512, outs - n0));
+      const uint8_t* qn = q + n0 * blocks * C::kBytes;
+      const float* dn = d + n0 * blocks;
+      const float* on = C::kOffset ? off + n0 * blocks : nullptr;
+      for (int64_t m0 = 0; m0 < rows; m0 += kCodesTileIn) {
+        float sums[kCodesTileOut512][kCodesTileIn];
+        if (o == 2)
+          codes_tiles_512<S, C, 2>(xf.data(), in, rows, qn, dn, on, blocks, sums, m0);
+        else
+          codes_tiles_512<S, C, 1>(xf.data(), in, rows, qn, dn, on, blocks, sums, m0);
+        for (int n = 0; n < o; ++n) {
+          const float b = bias == nullptr ? 0.f : S::load(bias[n0 + n]);
+          for (int64_t m = m0; m < std::min<int64_t>(rows, m0 + kCodesTileIn); ++m)
+            out[m * outs + n0 + n] = S::store(sums[n][m - m0] + b);
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <typename S, typename C>
 void linear_codes_kernel(const typename S::T* x, int64_t x_stride, const uint8_t* q,
                          const float* d, const float* off, const typename S::T* bias,
                          typename S::T* out, int64_t rows, int64_t in, int64_t outs) {
   using T = typename S::T;
+#ifdef PAGODA_CODES_AVX512
+  return linear_codes_kernel_512<S, C>(x, x_stride, q, d, off, bias, out, rows, in, outs);
+#endif
   const int64_t blocks = in / kCodesBlock;
   at::parallel_for(0, outs, 32, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {

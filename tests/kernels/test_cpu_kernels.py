@@ -244,7 +244,9 @@ def test_small_rows_linear_matches_reference(
     assert out.shape == (rows, outs) and out.dtype == dtype
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        # Sums of up to 576 products ~N(0, 1) in another order than the
+        # reference's: a few 1e-5 apart at most.
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
     else:  # float32 sums, rounded once to the activation dtype
         torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=1e-2, atol=2e-2)
 
@@ -336,7 +338,7 @@ def random_q8(outs: int, ins: int, seed: int) -> tuple[BlockWeight, torch.Tensor
 
 @needs_compiled
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_block_linear_matches_its_dequantized_weights(
     rows: int, dtype: torch.dtype, kind: str
@@ -355,7 +357,7 @@ def test_block_linear_matches_its_dequantized_weights(
     ref = F.linear(x.to(dtype).double(), dense.double(), bias.to(dtype).double())
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    else:  # float32 sums, rounded once to bfloat16
+    else:  # float32 sums, rounded once to the activation dtype
         torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=1e-2, atol=2e-2)
 
 
@@ -483,7 +485,9 @@ def test_bf16_fused_ops_round_as_torch_does() -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     ref = F.silu(gate) * up
     assert bool(out[0, 0].isnan())
-    assert (out[1:] == ref[1:]).float().mean().item() > 0.999
+    # torch's own SiLU takes exp from another approximation per CPU (~0.1%
+    # of these products round one step apart on an AVX512 CPU).
+    assert (out[1:] == ref[1:]).float().mean().item() > 0.998
 
 
 @needs_compiled
