@@ -1,7 +1,7 @@
 """Microbenchmark of the compiled CPU kernels against plain torch.
 
     python scripts/bench_cpu_kernels.py              # elementwise ops
-    python scripts/bench_cpu_kernels.py --attention  # attention (float32)
+    python scripts/bench_cpu_kernels.py --attention  # attention
     python scripts/bench_cpu_kernels.py --linear     # few-row linears
 
 Elementwise: microseconds per call for fused add+RMSNorm (hidden 576),
@@ -90,33 +90,36 @@ def bench_size(dtype: torch.dtype, rows: int) -> None:
         )
 
 
-def bench_decode_attention(layers: int = 30, batch: int = 64, length: int = 192) -> None:
+def bench_decode_attention(
+    dtype: torch.dtype, layers: int = 30, batch: int = 64, length: int = 192
+) -> None:
     blocks = batch * -(-length // BLOCK)
     caches = [
         (
-            torch.randn(2 * blocks, BLOCK, KV_HEADS, HEAD_DIM),
-            torch.randn(2 * blocks, BLOCK, KV_HEADS, HEAD_DIM),
+            torch.randn(2 * blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype),
+            torch.randn(2 * blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype),
         )
         for _ in range(layers)
     ]
     tables = torch.randperm(2 * blocks)[:blocks].view(batch, -1).contiguous()
     lens = torch.full((batch,), length)
-    q = torch.randn(batch, HEADS, HEAD_DIM)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype)
 
     def step() -> None:
         for kc, vc in caches:
             cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
 
     ms = min(per_call_us(step, 1) for _ in range(7)) / 1e3
-    print(f"decode step, {batch} rows x {length} positions, {layers} layers: {ms:.1f} ms")
+    name = str(dtype).split(".")[-1]
+    print(f"{name} decode step, {batch} rows x {length} positions, {layers} layers: {ms:.1f} ms")
 
 
-def bench_prompt_attention(seqs: int, length: int) -> None:
+def bench_prompt_attention(dtype: torch.dtype, seqs: int, length: int) -> None:
     tokens = seqs * length
-    kc = torch.randn(tokens // BLOCK, BLOCK, KV_HEADS, HEAD_DIM)
-    vc = torch.randn(tokens // BLOCK, BLOCK, KV_HEADS, HEAD_DIM)
+    kc = torch.randn(tokens // BLOCK, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    vc = torch.randn(tokens // BLOCK, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
     tables = torch.arange(tokens // BLOCK).view(seqs, -1)
-    q = torch.randn(tokens, HEADS, HEAD_DIM)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=dtype)
     k = kc.flatten(0, 1)
     v = vc.flatten(0, 1)
     rows = torch.arange(seqs).repeat_interleave(length)
@@ -130,8 +133,10 @@ def bench_prompt_attention(seqs: int, length: int) -> None:
             part = slice(i * length, (i + 1) * length)
             prefill_attention(q[part], k[part], v[part], 0.125)
 
+    name = str(dtype).split(".")[-1]
     print(
-        f"prompts {seqs:>3} x {length:>4}: compiled {per_call_us(compiled, 5) / 1e3:6.2f} ms, "
+        f"{name} prompts {seqs:>3} x {length:>4}: "
+        f"compiled {per_call_us(compiled, 5) / 1e3:6.2f} ms, "
         f"SDPA {per_call_us(sdpa, 5) / 1e3:6.2f} ms per layer"
     )
 
@@ -240,9 +245,10 @@ def main() -> None:
             bench_linears(dtype)
         return
     if args.attention:
-        bench_decode_attention()
-        for seqs, length in ((64, 32), (32, 128), (16, 256), (8, 512), (1, 4096)):
-            bench_prompt_attention(seqs, length)
+        for dtype in dtypes:
+            bench_decode_attention(dtype)
+            for seqs, length in ((64, 32), (32, 128), (16, 256), (8, 512), (1, 4096)):
+                bench_prompt_attention(dtype, seqs, length)
         return
     print(f"{'dtype':>9} {'rows':>5} {'op':>13} {'compiled us':>12} {'torch us':>9}")
     for dtype in reversed(dtypes):

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -92,6 +93,24 @@ inline void weighted_sum_bf16(const uint16_t* vc, const int64_t* off, int64_t le
   }
 }
 
+// Walks the cache lines of the next row's blocks (keys and values, all kv
+// heads), a few at a time, so that they are fetched into L2 while the
+// current row is computed: the blocks are scattered, and the hardware
+// prefetchers find little to follow.
+struct NextRowFetch {
+  std::vector<std::pair<const char*, int64_t>> spans;  // (start, bytes)
+  size_t span = 0;
+  int64_t at = 0;
+
+  void reset() { spans.clear(), span = 0, at = 0; }
+  inline void issue(int n) {
+    for (; n > 0 && span < spans.size(); --n) {
+      _mm_prefetch(spans[span].first + at, _MM_HINT_T1);
+      if ((at += 64) >= spans[span].second) ++span, at = 0;
+    }
+  }
+};
+
 template <int D>
 void decode_kernel_bf16(
     c10::BFloat16* __restrict__ out_,
@@ -113,9 +132,23 @@ void decode_kernel_bf16(
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv(G);
     std::vector<int64_t> off;
+    NextRowFetch next;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, h = item % KVH;
       const int64_t len = lens[b];
+      if (h == 0 || item == begin) {
+        next.reset();
+        // Prompt rows of one sequence share their blocks: only a new table is fetched.
+        if ((b + 1) * KVH < end && !(rows && rows[b + 1] == rows[b])) {
+          const int64_t* nt = tables + (rows ? rows[b + 1] : b + 1) * MB;
+          const int64_t row_bytes = KVH * D * 2;
+          for (int64_t t0 = 0, i = 0; t0 < lens[b + 1]; t0 += BS, ++i) {
+            const int64_t bytes = std::min<int64_t>(BS, lens[b + 1] - t0) * row_bytes;
+            next.spans.emplace_back(reinterpret_cast<const char*>(kc + nt[i] * BS * KVH * D), bytes);
+            next.spans.emplace_back(reinterpret_cast<const char*>(vc + nt[i] * BS * KVH * D), bytes);
+          }
+        }
+      }
       const int64_t padded = (len + 15) / 16 * 16;
       const int64_t* table = tables + (rows ? rows[b] : b) * MB;
       if (len == 0) {  // nothing to attend to: zeros, as the generic kernel gives
@@ -141,9 +174,13 @@ void decode_kernel_bf16(
           const int64_t n = std::min<int64_t>(16, len - t0);
           // The cache rows are scattered by block: fetch the next tile's
           // rows now, the hardware prefetcher does not find them.
-          if (g == 0)
+          if (g == 0) {
             for (int64_t j = t0 + 16; j < std::min<int64_t>(t0 + 32, len); ++j)
               for (int c = 0; c < D; c += 32) _mm_prefetch(reinterpret_cast<const char*>(kc + off[j] + c), _MM_HINT_T0);
+            // The next row holds KVH * D * 4 / 64 lines per position, this row
+            // KVH / 16 tiles per position here: D lines a tile spreads them evenly.
+            next.issue(D);
+          }
           // Past len, a lane repeats the tile's first position (masked later).
           __m512 part[16];
           for (int j = 0; j < 16; ++j) {
