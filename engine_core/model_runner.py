@@ -342,13 +342,27 @@ class ModelRunner(RunnerUtilities):
                 meta = build_metadata(slots, decode_tables, decode_lens, prefill_rows, device)
             else:
                 meta = self._torch_metadata(slots, decode_tables, decode_lens, prefills)
+            # Only the sampled tokens' hidden states are needed when no prompt
+            # logprobs or pooling read the others (and no LoRA indexes tokens).
+            last_rows = None
+            if (
+                not self.use_triton
+                and lora is None
+                and not pool_rows
+                and not prompt_lp_rows
+                and len(logit_rows) < len(input_ids)
+            ):
+                last_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
             hidden = self.model.forward(
                 torch.tensor(input_ids, dtype=torch.long, device=device),
                 torch.tensor(positions, dtype=torch.long, device=device),
                 meta,
                 self.kv_caches,
                 lora,
+                last_rows,
             )
+            if last_rows is not None:
+                logit_rows = list(range(len(logit_rows)))
         result = StepResult()
         if pool_rows:
             self._pool(hidden, pool_rows, result)

@@ -246,16 +246,22 @@ class LlamaModel:
         meta: AttentionMetadata | TritonAttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoRABatch | None = None,
+        last_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm → [num_tokens, hidden].
 
         With `lora`, each projection adds the LoRA delta of its token's adapter.
+        With `last_rows` (flat token indices), only those tokens' hidden states
+        are returned, [len(last_rows), hidden]: the last layer still writes
+        every token's keys and values, but its output projection and MLP run
+        on those rows alone (a prompt's other tokens feed no logits).
         """
         if self.use_triton:
             return self._forward_triton(
                 input_ids, positions, cast("TritonAttentionMetadata", meta), kv_caches, lora
             )
         assert isinstance(meta, AttentionMetadata)
+        assert last_rows is None or lora is None, "LoRA slots are per token"
         hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         if not self.fused:
             cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
@@ -271,6 +277,10 @@ class LlamaModel:
                 q = _apply_rope(q, cos, sin)
                 k = _apply_rope(k, cos, sin)
             attn = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+            if i == last and last_rows is not None:
+                if last_rows.numel() == 0:  # a prompt chunk that samples nothing
+                    return residual.new_empty((0, residual.shape[-1]))
+                attn, residual = attn[last_rows], residual[last_rows]
             x, residual = self._add_rms_norm(
                 _project(layer.o_proj, attn.flatten(1), lora, i, "o_proj"),
                 residual,

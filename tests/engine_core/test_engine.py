@@ -148,3 +148,43 @@ def test_cpu_kv_cache_is_resident_from_the_start(tiny_models: dict[str, Path]) -
     runner.allocate_kv_cache(num_blocks)
     grown = _rss_bytes() - before
     assert grown >= 0.8 * num_blocks * runner.kv_bytes_per_block(), grown
+
+
+def test_prompt_step_runs_the_last_layer_on_sampled_rows_only(
+    engine: EngineCore, prompt: list[int]
+) -> None:
+    """A prompt step without prompt logprobs feeds only each sequence's last
+    token through the last layer's o-projection and MLP; with prompt logprobs
+    every token goes through. The first token's logprobs agree either way."""
+    runner = engine.executor.runner  # type: ignore[attr-defined]
+    model = runner.model
+    seen: list[int | None] = []
+    forward = model.forward
+
+    def spy(*args: object, **kwargs: object) -> object:
+        last_rows = args[5] if len(args) > 5 else kwargs.get("last_rows")
+        seen.append(None if last_rows is None else len(last_rows))  # type: ignore[arg-type]
+        return forward(*args, **kwargs)
+
+    other = random_prompts(22, 1, engine.info.vocab_size, 9, 9)[0]
+    model.forward = spy
+    runs, first_steps = [], []
+    try:
+        for lp in (None, 1):
+            seen.clear()
+            params = greedy_params(2, logprobs=4, prompt_logprobs=lp)
+            requests = [
+                AddRequest(f"lr{lp}{i}", p, params, 0.0) for i, p in enumerate((prompt, other))
+            ]
+            runs.append(run_to_completion(engine, requests))
+            first_steps.append(seen[0])
+    finally:
+        del model.forward
+    # Both prompts in one step: 2 sampled rows; with prompt logprobs, all rows.
+    assert first_steps == [2, None]
+    for i in range(2):
+        plain, full = (run.records[f"lr{lp}{i}"] for run, lp in zip(runs, (None, 1), strict=True))
+        assert plain.token_ids == full.token_ids
+        for a, b in zip(plain.logprobs, full.logprobs, strict=True):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
