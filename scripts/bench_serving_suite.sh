@@ -18,8 +18,11 @@ until curl -sf -o /dev/null "http://127.0.0.1:$PORT/health"; do
   sleep 0.1
 done
 echo "start to /health 200: $(echo "$(date +%s.%N) - $start" | bc) s" | tee "$OUT/startup.txt"
+# Each load draws its own prompts (--seed), so none finds another's prefix
+# in the prefix cache.
 B="$PY scripts/bench_serving.py --base-url http://127.0.0.1:$PORT"
-$B --num-prompts 16 --max-concurrency 1 --json "$OUT/serving_c1.json"
-$B --num-prompts 64 --max-concurrency 16 --json "$OUT/serving_c16.json"
-$B --num-prompts 128 --max-concurrency 64 --json "$OUT/serving_c64.json"
-$B --num-prompts 400 --input-len 32 --output-len 1 --max-concurrency 64 --json "$OUT/serving_short.json"
+$B --num-prompts 16 --max-concurrency 1 --seed 1 --json "$OUT/serving_c1.json"
+$B --num-prompts 64 --max-concurrency 16 --seed 2 --json "$OUT/serving_c16.json"
+$B --num-prompts 128 --max-concurrency 64 --seed 3 --json "$OUT/serving_c64.json"
+$B --num-prompts 400 --input-len 32 --output-len 1 --max-concurrency 64 --seed 4 \
+  --json "$OUT/serving_short.json"

@@ -29,13 +29,15 @@ wait_health() {  # pid log
   echo "start to /health 200: $(echo "$(date +%s.%N) - $start" | bc) s"
 }
 
+# Each load draws its own prompts (--seed), so none finds another's prefix
+# in a server's prefix cache, the warm-up's included.
 run_loads() {  # label
   local B="$PY scripts/bench_serving.py --base-url http://127.0.0.1:$PORT"
-  $B --num-prompts 8 --max-concurrency 8 --output-len 16 > /dev/null
-  $B --num-prompts 16 --max-concurrency 1 --json "$OUT/side_$1_c1.json"
-  $B --num-prompts 64 --max-concurrency 16 --json "$OUT/side_$1_c16.json"
-  $B --num-prompts 128 --max-concurrency 64 --json "$OUT/side_$1_c64.json"
-  $B --num-prompts 400 --input-len 32 --output-len 1 --max-concurrency 64 \
+  $B --num-prompts 8 --max-concurrency 8 --output-len 16 --seed 100 > /dev/null
+  $B --num-prompts 16 --max-concurrency 1 --seed 1 --json "$OUT/side_$1_c1.json"
+  $B --num-prompts 64 --max-concurrency 16 --seed 2 --json "$OUT/side_$1_c16.json"
+  $B --num-prompts 128 --max-concurrency 64 --seed 3 --json "$OUT/side_$1_c64.json"
+  $B --num-prompts 400 --input-len 32 --output-len 1 --max-concurrency 64 --seed 4 \
     --json "$OUT/side_$1_short.json"
 }
 
