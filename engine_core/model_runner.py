@@ -325,6 +325,7 @@ class ModelRunner(RunnerUtilities):
         device = self.device
         hidden = None
         lora = None
+        last_rows: torch.Tensor | None = None  # see below: the sampled rows alone
         if self.lora_stacks is not None and any(token_slots):
             if self.use_triton:
                 from kernels.triton_ops.lora import lora_index
@@ -344,7 +345,6 @@ class ModelRunner(RunnerUtilities):
                 meta = self._torch_metadata(slots, decode_tables, decode_lens, prefills)
             # Only the sampled tokens' hidden states are needed when no prompt
             # logprobs or pooling read the others (and no LoRA indexes tokens).
-            last_rows = None
             if (
                 not self.use_triton
                 and lora is None
@@ -361,8 +361,6 @@ class ModelRunner(RunnerUtilities):
                 lora,
                 last_rows,
             )
-            if last_rows is not None:
-                logit_rows = list(range(len(logit_rows)))
         result = StepResult()
         if pool_rows:
             self._pool(hidden, pool_rows, result)
@@ -375,7 +373,9 @@ class ModelRunner(RunnerUtilities):
                 prompt_logprobs(logits, next_ids, state.params.prompt_logprobs or 0),
             )
         if sample_ids:
-            logits = self.model.compute_logits(hidden[logit_rows]).cpu()  # [num_sample, vocab]
+            # With last_rows, hidden holds the sampled rows alone, in order.
+            sampled = hidden if last_rows is not None else hidden[logit_rows]
+            logits = self.model.compute_logits(sampled).cpu()  # [num_sample, vocab]
             states = [self.requests[r] for r in sample_ids]
             constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
             if constrained:

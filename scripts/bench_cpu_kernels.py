@@ -43,6 +43,10 @@ from kernels.linear import BlockWeight, Linear
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
     for _ in range(3):
         fn()
@@ -85,7 +89,7 @@ def bench_size(dtype: torch.dtype, rows: int) -> None:
     }
     for name, (compiled, plain) in cases.items():
         print(
-            f"{str(dtype).split('.')[-1]:>9} {rows:>5} {name:>13} "
+            f"{dtype_name(dtype):>9} {rows:>5} {name:>13} "
             f"{per_call_us(compiled, calls):>12.1f} {per_call_us(plain, calls):>9.1f}"
         )
 
@@ -110,8 +114,8 @@ def bench_decode_attention(
             cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
 
     ms = min(per_call_us(step, 1) for _ in range(7)) / 1e3
-    name = str(dtype).split(".")[-1]
-    print(f"{name} decode step, {batch} rows x {length} positions, {layers} layers: {ms:.1f} ms")
+    shape = f"{batch} rows x {length} positions, {layers} layers"
+    print(f"{dtype_name(dtype)} decode step, {shape}: {ms:.1f} ms")
 
 
 def bench_prompt_attention(dtype: torch.dtype, seqs: int, length: int) -> None:
@@ -133,9 +137,8 @@ def bench_prompt_attention(dtype: torch.dtype, seqs: int, length: int) -> None:
             part = slice(i * length, (i + 1) * length)
             prefill_attention(q[part], k[part], v[part], 0.125)
 
-    name = str(dtype).split(".")[-1]
     print(
-        f"{name} prompts {seqs:>3} x {length:>4}: "
+        f"{dtype_name(dtype)} prompts {seqs:>3} x {length:>4}: "
         f"compiled {per_call_us(compiled, 5) / 1e3:6.2f} ms, "
         f"SDPA {per_call_us(sdpa, 5) / 1e3:6.2f} ms per layer"
     )
@@ -155,7 +158,7 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
         [(torch.randn(shape, generator=gen) * 0.05).to(dtype) for shape in LAYER_SHAPES]
         for _ in range(layers)
     ]
-    name = str(dtype).split(".")[-1]
+    name = dtype_name(dtype)
     # The GGUF blocks kernels run float32 and bfloat16 models.
     blocks, head_blocks = default_model_blocks(layers) if dtype != torch.float16 else ([], None)
     for rows in (1, 2, 4, 8, 16, 32, 64):
