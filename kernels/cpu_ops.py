@@ -96,6 +96,11 @@ _NATIVE_FLAGS = {
 }
 
 
+def cpu_has_flag(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this instruction-set flag."""
+    return flag in _cpu_flags().split()
+
+
 def cpu_has_native(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies dtype in hardware (float32: always)."""
     if dtype == torch.float32:
@@ -364,3 +369,41 @@ def linear_q8_small_rows(
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
     return _run(ops, "linear_q8_small_rows", x, codes, scale, bias)
+
+
+def has_bf16_pairs() -> bool:
+    """Whether bfloat16 linears can run on the AVX512-BF16 pairs kernel here."""
+    ops = load_cpu_ops()
+    return ops is not None and bool(ops.has_bf16_pairs())
+
+
+# Output columns per tile of pack_bf16_pairs (kTileCols in linear_bf16.h).
+PAIRS_TILE_COLS = 48
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] bfloat16 in the pairs kernel's layout: [tiles, (in + 1) / 2,
+    48, 2], zero-padded to whole tiles and an even number of inputs, so that
+    one 64-byte load holds 16 columns x 2 consecutive inputs."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError("expected bfloat16 weights [out, in]")
+    outs, ins = weight.shape
+    tiles, pairs = -(-outs // PAIRS_TILE_COLS), (ins + 1) // 2
+    padded = weight.new_zeros(tiles * PAIRS_TILE_COLS, pairs * 2)
+    padded[:outs, :ins] = weight
+    return padded.view(tiles, PAIRS_TILE_COLS, pairs, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_bf16_pairs(
+    x: torch.Tensor,  # [rows, in] bfloat16
+    packed: torch.Tensor,  # pack_bf16_pairs(W)
+    outs: int,
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:
+    """Launcher: x W^T (+ b) on weights packed by pack_bf16_pairs
+    (kernels/linear.Linear picks it for bfloat16 on AVX512-BF16). The compiled
+    op checks shapes, dtypes and layout."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    return _run(ops, "linear_bf16_pairs", x, packed, outs, bias)

@@ -38,7 +38,7 @@ from engine_core.model_config import default_model_path, load_model_config
 from engine_core.models.llama import _apply_rope
 from engine_core.weights import load_gguf_blocks
 from kernels import cpu_ops
-from kernels.linear import BlockWeight, Linear
+from kernels.linear import BlockWeight, pack_weight, pairs_available
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -149,10 +149,18 @@ LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gat
 
 def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
     gen = torch.Generator().manual_seed(0)
-    model = [
-        [Linear((torch.randn(shape, generator=gen) * 0.05).to(dtype)) for shape in LAYER_SHAPES]
+    dense = [
+        [(torch.randn(shape, generator=gen) * 0.05).to(dtype) for shape in LAYER_SHAPES]
         for _ in range(layers)
     ]
+    model = [[pack_weight(w) for w in layer] for layer in dense]
+    # bfloat16 on AVX512-BF16 without AMX: Linear's own path (PAIRS_FIGURES).
+    pairs = (
+        [[cpu_ops.pack_bf16_pairs(w) for w in layer] for layer in dense]
+        if dtype == torch.bfloat16 and pairs_available()
+        else []
+    )
+    del dense
     # Each layer's plain weights are their own tensors, as in the model.
     plain = [
         [(torch.randn(shape, generator=gen) * 0.05).to(dtype) for shape in LAYER_SHAPES]
@@ -161,13 +169,18 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
     name = dtype_name(dtype)
     # The GGUF blocks kernels run float32 and bfloat16 models.
     blocks, head_blocks = default_model_blocks(layers) if dtype != torch.float16 else ([], None)
-    for rows in (1, 2, 4, 8, 16, 32, 64):
+    for rows in (1, 2, 3, 4, 8, 16, 32, 64):
         xs = [torch.randn(rows, shape[1], generator=gen).to(dtype) for shape in LAYER_SHAPES]
 
         def onednn(xs: list[torch.Tensor] = xs) -> None:
             for layer in model:
-                for lin, x in zip(layer, xs, strict=True):
-                    lin(x)
+                for w, x in zip(layer, xs, strict=True):
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        def pairs_kernel(xs: list[torch.Tensor] = xs) -> None:
+            for layer in pairs:
+                for w, x, shape in zip(layer, xs, LAYER_SHAPES, strict=True):
+                    cpu_ops.linear_bf16_pairs(x, w, shape[0])
 
         def few_rows(xs: list[torch.Tensor] = xs) -> None:
             for layer in plain:
@@ -180,6 +193,8 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
                     w.matmul(x, None)
 
         runs = {"oneDNN": onednn, "few-row kernel": few_rows}
+        if pairs:
+            runs["pairs kernel"] = pairs_kernel
         if blocks:
             runs["GGUF blocks"] = gguf_blocks
         best = dict.fromkeys(runs, float("inf"))
@@ -188,12 +203,35 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
                 best[key] = min(best[key], per_call_us(fn, 1) / 1e3)
         figures = ", ".join(f"{key} {ms:6.1f} ms" for key, ms in best.items())
         print(f"{name:>9} {rows:>4} rows, {layers} layers: {figures}")
+    if pairs:  # a prompt chunk: 4 layers at 4096 rows
+        xs = [torch.randn(4096, shape[1], generator=gen).to(dtype) for shape in LAYER_SHAPES]
+        prompt = {
+            "oneDNN": lambda: [
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                for layer in model[:4]
+                for w, x in zip(layer, xs, strict=True)
+            ],
+            "pairs kernel": lambda: [
+                cpu_ops.linear_bf16_pairs(x, w, shape[0])
+                for layer in pairs[:4]
+                for w, x, shape in zip(layer, xs, LAYER_SHAPES, strict=True)
+            ],
+        }
+        best = dict.fromkeys(prompt, float("inf"))
+        for _ in range(3):
+            for key, fn in prompt.items():
+                best[key] = min(best[key], per_call_us(fn, 1) / 1e3)
+        figures = ", ".join(f"{key} {ms:6.1f} ms" for key, ms in best.items())
+        print(f"{name:>9} 4096 rows, 4 layers: {figures}")
     head = (torch.randn(49152, 576, generator=gen) * 0.05).to(dtype)
-    packed_head, x = Linear(head), torch.randn(1, 576, generator=gen).to(dtype)
+    packed_head, x = pack_weight(head), torch.randn(1, 576, generator=gen).to(dtype)
     heads = {
-        "oneDNN": lambda: packed_head(x),
+        "oneDNN": lambda: torch.ops.mkldnn._linear_pointwise(x, packed_head, None, "none", [], ""),
         "few-row kernel": lambda: cpu_ops.linear_small_rows(x, head),
     }
+    if pairs:
+        pairs_head = cpu_ops.pack_bf16_pairs(head)
+        heads["pairs kernel"] = lambda: cpu_ops.linear_bf16_pairs(x, pairs_head, head.shape[0])
     if head_blocks is not None:
         heads["GGUF blocks (Q8_0)"] = lambda: head_blocks.matmul(x, None)
     figures = ", ".join(

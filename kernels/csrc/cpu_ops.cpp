@@ -1,12 +1,14 @@
 // Pagoda's compiled CPU kernels, one translation unit: paged attention
 // (attention.h), fused elementwise ops (elementwise.h), linear layers over
-// a few rows (linear.h) and the logits helpers (logits.h). Built once per
+// a few rows (linear.h), bfloat16 linears on AVX512-BF16 (linear_bf16.h)
+// and the logits helpers (logits.h). Built once per
 // machine by kernels/cpu_ops.py.
 #include <torch/extension.h>
 
 #include "attention.h"
 #include "elementwise.h"
 #include "linear.h"
+#include "linear_bf16.h"
 #include "logits.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,5 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x W^T (+ b) for a few rows on GGUF Q4 blocks of W (CPU)");
   m.def("linear_q8_small_rows", &linear_q8_small_rows,
         "x W^T (+ b) for a few rows on GGUF Q8_0 blocks of W (CPU)");
+  m.def("has_bf16_pairs", &has_bf16_pairs,
+        "whether bfloat16 linears run on AVX512-BF16 over weights packed in pairs");
+  m.def("linear_bf16_pairs", &linear_bf16_pairs,
+        "x W^T (+ b) in bfloat16 over weights packed by pack_bf16_pairs (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k in place (CPU)");
 }

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.linear
 from engine_core.attention import decode_attention, reference_attention
 from kernels import cpu_ops
 from kernels.linear import (
@@ -196,6 +197,82 @@ def test_linear_matches_reference(dtype: torch.dtype, rows: int, bias: bool) -> 
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+needs_pairs = pytest.mark.skipif(
+    not (cpu_ops.load_cpu_ops() is not None and cpu_ops.has_bf16_pairs()),
+    reason="the bfloat16 pairs kernel needs AVX512-BF16",
+)
+
+
+@needs_pairs
+@pytest.mark.parametrize("shape", [(96, 80), (50, 7), (49, 1), (1000, 33)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 65, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_pairs_kernel_is_float32_product_rounded_once(
+    shape: tuple[int, int], rows: int, bias: bool
+) -> None:
+    """Any output width (tiles of 48, the last one partial), odd input counts
+    (the last input paired with a zero), row counts across register blocks
+    of 8 and row groups of 64, strided x rows: x W^T (+ b) in float32 sums,
+    rounded once to bfloat16, as oneDNN's bfloat16 matmul gives it."""
+    outs, ins = shape
+    gen = torch.Generator().manual_seed(rows * 7 + ins)
+    w = torch.randn(outs, ins, generator=gen).bfloat16()
+    b = torch.randn(outs, generator=gen).bfloat16() if bias else None
+    wide = torch.randn(rows, ins + 5, generator=gen).bfloat16()
+    x = wide[:, 2 : 2 + ins]  # rows strided by ins + 5
+    packed = cpu_ops.pack_bf16_pairs(w)
+    assert packed.shape == (-(-outs // 48), (ins + 1) // 2, 48, 2)
+    out = cpu_ops.linear_bf16_pairs(x, packed, outs, b)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert out.shape == (rows, outs) and out.dtype == torch.bfloat16
+    # One rounding of the float32 sum: within one bfloat16 step of the exact
+    # product rounded, and equal to it almost everywhere.
+    exact = ref.bfloat16()
+    step = exact.float().abs() * 2**-7 + 1e-30
+    assert ((out.float() - exact.float()).abs() <= step).all()
+    assert (out == exact).float().mean() > 0.98
+    onednn = F.linear(x, w, b)
+    assert (out == onednn).float().mean() > 0.98
+
+
+@needs_pairs
+def test_bf16_pairs_kernel_checks_its_inputs() -> None:
+    w = torch.randn(50, 8).bfloat16()
+    packed = cpu_ops.pack_bf16_pairs(w)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.linear_bf16_pairs(torch.randn(2, 10).bfloat16(), packed, 50)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.linear_bf16_pairs(torch.randn(2, 8).bfloat16(), packed, 97)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_ops.linear_bf16_pairs(torch.randn(2, 8), packed, 50)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_ops.pack_bf16_pairs(w.float())
+    assert cpu_ops.linear_bf16_pairs(torch.randn(0, 8).bfloat16(), packed, 50).shape == (0, 50)
+
+
+@needs_pairs
+def test_bf16_linear_runs_on_the_pairs_kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AVX512-BF16 without AMX a bfloat16 Linear keeps one copy, the pairs,
+    used at every row count: no oneDNN copy, no plain copy, no GGUF blocks.
+    With AMX, oneDNN's copy as before."""
+    monkeypatch.setattr(cpu_ops, "cpu_has_flag", lambda flag: False)
+    weight, dense = random_q4(40, 64, seed=11)
+    w = dense.bfloat16()
+    linear = Linear(w, None, small_rows=True, blocks=weight)
+    assert linear.pairs is not None and linear.weight is linear.pairs
+    assert linear.plain is None and linear.blocks is None
+    gen = torch.Generator().manual_seed(12)
+    for rows in (1, 4, 300):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        assert rel_err(linear(x), reference_linear(x, w)) < 1e-2
+    linear.pairs.zero_()  # the only copy: every row count reads it
+    for rows in (1, 4, 300):
+        assert not linear(torch.randn(rows, 64).bfloat16()).any()
+    monkeypatch.setattr(cpu_ops, "cpu_has_flag", lambda flag: flag == "amx_bf16")
+    assert Linear(w).pairs is None
+    assert Linear(w.float()).pairs is None
+
+
 @pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
 @pytest.mark.parametrize("rows", [1, 6, 7, 16])
 def test_int4_linear_matches_its_dequantized_weights(rows: int) -> None:
@@ -259,6 +336,7 @@ def test_small_batches_run_on_the_plain_weights(
     """Up to SMALL_ROWS_MAX rows a Linear built with small_rows reads its plain
     copy; above, the packed one. Both give x W^T."""
     monkeypatch.setattr(cpu_ops, "cpu_has_native", lambda dtype: True)
+    monkeypatch.setattr(kernels.linear, "pairs_available", lambda: False)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 64, generator=gen).to(dtype)
     linear = Linear(w, None, small_rows=True)
@@ -371,6 +449,7 @@ def test_linear_with_blocks_uses_them_for_few_rows(
     the dtype) a Linear with GGUF blocks reads them (no plain copy is kept);
     above, the dense weights. Both give x W^T."""
     monkeypatch.setattr(cpu_ops, "cpu_has_native", lambda d: native or d == torch.float32)
+    monkeypatch.setattr(kernels.linear, "pairs_available", lambda: False)
     weight, dense = random_q4(40, 64, seed=5)
     linear = Linear(dense.to(dtype), None, small_rows=True, blocks=weight)
     limit = BLOCKS_MAX_ROWS[dtype if native else torch.float32]
