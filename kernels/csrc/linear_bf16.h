@@ -83,26 +83,27 @@ void linear_bf16_pairs_kernel(const uint16_t* x, int64_t x_stride, const uint16_
   const int64_t tiles = (outs + kTileCols - 1) / kTileCols;
   const int64_t groups = (rows + kRowGroup - 1) / kRowGroup;
   const int64_t tile_elems = (in + 1) / 2 * kTileCols * 2;
-  // Items in tile-major order: each thread streams a contiguous run of tiles.
-  at::parallel_for(0, tiles * groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t tile = item / groups, group = item % groups;
-      const uint16_t* wt = w + tile * tile_elems;
-      const int64_t c0 = tile * kTileCols, cols = std::min(kTileCols, outs - c0);
-      const float* bt = bias == nullptr ? nullptr : bias + c0;
-      const int64_t last = std::min(rows, (group + 1) * kRowGroup);
-      for (int64_t m0 = group * kRowGroup; m0 < last; m0 += kRowBlock) {
-        const uint16_t* xm = x + m0 * x_stride;
-        uint16_t* ym = y + m0 * outs + c0;
-        switch (std::min(kRowBlock, last - m0)) {
+  auto run_item = [&](int64_t item) {
+    const int64_t tile = item / groups, group = item % groups;
+    const uint16_t* wt = w + tile * tile_elems;
+    const int64_t c0 = tile * kTileCols, cols = std::min(kTileCols, outs - c0);
+    const float* bt = bias == nullptr ? nullptr : bias + c0;
+    const int64_t last = std::min(rows, (group + 1) * kRowGroup);
+    for (int64_t m0 = group * kRowGroup; m0 < last; m0 += kRowBlock) {
+      const uint16_t* xm = x + m0 * x_stride;
+      uint16_t* ym = y + m0 * outs + c0;
+      switch (std::min(kRowBlock, last - m0)) {
 #define PAGODA_PAIRS_CASE(R) \
   case R: pairs_block<R>(xm, x_stride, in, wt, bt, ym, outs, cols); break;
-          PAGODA_PAIRS_CASE(1) PAGODA_PAIRS_CASE(2) PAGODA_PAIRS_CASE(3) PAGODA_PAIRS_CASE(4)
-          PAGODA_PAIRS_CASE(5) PAGODA_PAIRS_CASE(6) PAGODA_PAIRS_CASE(7) PAGODA_PAIRS_CASE(8)
+        PAGODA_PAIRS_CASE(1) PAGODA_PAIRS_CASE(2) PAGODA_PAIRS_CASE(3) PAGODA_PAIRS_CASE(4)
+        PAGODA_PAIRS_CASE(5) PAGODA_PAIRS_CASE(6) PAGODA_PAIRS_CASE(7) PAGODA_PAIRS_CASE(8)
 #undef PAGODA_PAIRS_CASE
-        }
       }
     }
+  };
+  // Items in tile-major order: each thread streams a contiguous run of weights.
+  at::parallel_for(0, tiles * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) run_item(item);
   });
 }
 #endif
