@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from frontend.api.errors import (
     validation_api_error,
 )
 from frontend.api.mcp_tools import ToolServer
+from frontend.api.middleware import RefuseWhileDraining, RequestIdAndSize
 from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
 from frontend.api.security import install_auth
 from frontend.api.serving_admin import build_router as build_admin_router
@@ -139,24 +139,8 @@ def build_app(
             allow_credentials=False,
         )
 
-    @app.middleware("http")
-    async def _request_id_and_size(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        # Outermost: echo (or make) X-Request-Id, refuse oversized bodies up front.
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        length = request.headers.get("content-length")
-        if length is not None and (
-            not length.isdigit() or int(length) > config.max_request_body_bytes
-        ):
-            response: Response = error_response(
-                request,
-                APIError(413, f"request body over {config.max_request_body_bytes} bytes"),
-            )
-        else:
-            response = await call_next(request)
-        response.headers["X-Request-Id"] = request_id[:128]
-        return response
+    # Outermost but one: X-Request-Id, oversized bodies refused up front.
+    app.add_middleware(RequestIdAndSize, max_bytes=config.max_request_body_bytes)
 
     async def guarded(work: Callable[[], Awaitable[Any]]) -> Any:
         try:
@@ -257,13 +241,11 @@ def build_app(
 
     app.state.drain = drain
 
-    @app.middleware("http")
-    async def _refuse_while_draining(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if app.state.draining and request.url.path not in ("/metrics", "/load", "/version"):
-            return error_response(request, unavailable("the server is shutting down"))
-        return await call_next(request)
+    app.add_middleware(
+        RefuseWhileDraining,
+        draining=lambda: app.state.draining,
+        open_paths=("/metrics", "/load", "/version"),
+    )
 
     def generating(work: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         if "generate" not in tasks:

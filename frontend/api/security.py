@@ -10,10 +10,10 @@ Keys are compared in constant time. CORS preflights (OPTIONS) pass through.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 
+from frontend.api.body_guard import ASGIApp, Receive, Scope, Send
 from frontend.api.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
@@ -62,18 +62,37 @@ def install_auth(
     admin_key = admin_api_key.encode() if admin_api_key else None
     open_paths = OPEN_PATHS - ({"/metrics"} if metrics_require_auth else set())
 
-    @app.middleware("http")
-    async def _auth(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
+    app.add_middleware(KeyCheck, keys=keys, admin_key=admin_key, open_paths=open_paths)
+
+
+class KeyCheck:
+    """The key checks as plain ASGI (see frontend/api/middleware.py for why)."""
+
+    def __init__(
+        self, app: ASGIApp, keys: list[bytes], admin_key: bytes | None, open_paths: frozenset[str]
+    ) -> None:
+        self.app = app
+        self.keys = keys
+        self.admin_key = admin_key
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            error = self.refusal(Request(scope))
+            if error is not None:
+                await error(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, request: Request) -> Response | None:
         path = request.url.path
-        if request.method == "OPTIONS" or path in open_paths:
-            return await call_next(request)
+        if request.method == "OPTIONS" or path in self.open_paths:
+            return None
         token = request_token(request)
-        if admin_key is not None and is_admin_path(path):
+        if self.admin_key is not None and is_admin_path(path):
             # Constant-time, and the admin key only: an API key is not enough here.
-            if not hmac.compare_digest(token, admin_key):
+            if not hmac.compare_digest(token, self.admin_key):
                 return error_response(request, APIError(401, "invalid or missing admin key"))
-        elif keys and not any(hmac.compare_digest(token, k) for k in keys):
+        elif self.keys and not any(hmac.compare_digest(token, k) for k in self.keys):
             return error_response(request, APIError(401, "invalid or missing API key"))
-        return await call_next(request)
+        return None

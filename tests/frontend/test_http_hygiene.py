@@ -34,6 +34,17 @@ def test_cors_closed_by_default_request_id_and_413(server: Server) -> None:
         timeout=60,
     )
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    assert len(r.headers["x-request-id"]) >= 16  # refused before the app: still an id
+    # A streamed response carries it too (the header goes out with the first chunk).
+    with httpx.stream(
+        "POST",
+        server.v1 + "/completions",
+        json={"model": MODEL_NAME, "prompt": "a", "max_tokens": 3, "stream": True},
+        headers={"X-Request-Id": "stream-7"},
+        timeout=60,
+    ) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "stream-7"
+        assert "data: [DONE]" in streamed.read().decode()
     r = httpx.post(
         server.base_url + "/v1/messages",
         content=big,
