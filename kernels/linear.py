@@ -225,8 +225,8 @@ class Linear:
             self.small_rows_max = None
         elif self.packed and weight.dtype == torch.bfloat16 and pairs_available():
             # The pairs kernel at every row count, in place of oneDNN's copy, the
-            # plain one and the GGUF blocks: it is as fast or faster than each
-            # of them at their row counts (see the module docstring).
+            # plain one and the GGUF blocks: faster than each of them at their row
+            # counts, or level (the blocks at 1 row; see the module docstring).
             self.weight = self.pairs = cpu_ops.pack_bf16_pairs(weight)
             self.blocks = None
         elif self.packed:
