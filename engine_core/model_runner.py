@@ -34,7 +34,7 @@ from kernels.cpu_ops import (
     has_bf16_attention,
     load_cpu_ops,
 )
-from kernels.linear import int4_available
+from kernels.linear import int4_available, pairs_available
 from kernels.lora import lora_groups
 from protocol.pooling_params import PoolingParams
 from protocol.sampling_params import SamplingParams
@@ -138,12 +138,14 @@ class ModelRunner(RunnerUtilities):
             int4 = load_int4_weights(self.model_config)
         # A model from a GGUF file's quantized blocks: the few-row kernels
         # stream the blocks themselves (kernels/linear.BlockWeight); in half
-        # precision --quantization gguf's 4-bit path takes small steps instead.
+        # precision --quantization gguf's 4-bit path takes small steps instead,
+        # and bfloat16 on the pairs kernel needs no blocks at all.
         blocks = None
         if (
             self.model_config.is_gguf
             and self.device.type == "cpu"
             and (int4 is None or self.dtype == torch.float32)
+            and not (self.dtype == torch.bfloat16 and pairs_available())
             and load_cpu_ops() is not None
         ):
             blocks = load_gguf_blocks(self.model_config)

@@ -8,6 +8,7 @@ plain-torch paths.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -27,7 +28,9 @@ _module: ModuleType | None = None
 _failed = False
 
 
+@functools.cache
 def _cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo, read once (every Linear asks)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
