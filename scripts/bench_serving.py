@@ -8,6 +8,11 @@ TTFT / TPOT / ITL mean, median and p99.
 
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 \\
         --num-prompts 128 --input-len 128 --output-len 128 --max-concurrency 16
+
+The client runs on aiohttp, as vLLM's `vllm bench serve` does: on a small
+machine the client shares the cores with the server under test, and
+httpx's streaming took twice its CPU per streamed token (1.5 s against
+0.8 s over a 64-request c=16 run, ~6% of the server's wall time on 2 cores).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 
 @dataclass
@@ -35,7 +40,7 @@ class Result:
 
 
 async def one_request(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     model: str,
     prompt: list[int],
@@ -56,12 +61,13 @@ async def one_request(
     last = start
     result = Result(ok=False)
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with client.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
@@ -76,7 +82,7 @@ async def one_request(
                     last = now
         result.latency = time.perf_counter() - start
         result.ok = True
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
     return result
 
@@ -100,11 +106,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.num_prompts)
     ]
     url = args.base_url.rstrip("/") + "/v1/completions"
-    limits = httpx.Limits(max_connections=args.max_concurrency + 8)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency + 8)
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         model = args.model
         if model is None:
-            models = (await client.get(args.base_url.rstrip("/") + "/v1/models")).json()
+            async with client.get(args.base_url.rstrip("/") + "/v1/models") as r:
+                models = await r.json()
             model = models["data"][0]["id"]
         semaphore = asyncio.Semaphore(args.max_concurrency)
 
