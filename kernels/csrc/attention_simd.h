@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 #if defined(__x86_64__)
@@ -64,31 +65,52 @@ inline __m512 bf16x16_to_f32(const uint16_t* src) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// p . v for NG query heads of a group at once: out[g] = sum_t p[g][t] v[t].
-template <int NG, int NF>
+// p . v for NG query heads of a group at once: out[g] = inv[g] * sum_t
+// p[g][t] v[t], by vdpbf16ps over pairs of positions. p holds the softmax
+// numerators rounded to bfloat16 (as flash attention feeds P to its second
+// matmul); the sums are float32. unpack{lo,hi}_epi16 of two positions' rows
+// pairs them for vdpbf16ps (a quarter of the instructions of widening every
+// value to float32 for an FMA) and leaves the head dims in a lane order
+// that is undone once, at the end.
+template <int NG, int NQ>
 inline void weighted_sum_bf16(const uint16_t* vc, const int64_t* off, int64_t len,
-                              const float* p, int64_t p_stride, const float* inv,
+                              const uint16_t* p, int64_t p_stride, const float* inv,
                               uint16_t* out, int64_t out_stride) {
-  __m512 acc[NG][NF];
+  __m512 acc[NG][2 * NQ];
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < NF; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    const uint16_t* vr = vc + off[t];
-    if (t + 16 < len)
-      for (int c = 0; c < NF * 16; c += 32)
-        _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + 16] + c), _MM_HINT_T0);
-    __m512 vf[NF];
-    for (int c = 0; c < NF; ++c) vf[c] = bf16x16_to_f32(vr + 16 * c);
+    for (int c = 0; c < 2 * NQ; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 2) {
+    const uint16_t* v0 = vc + off[t];
+    const uint16_t* v1 = t + 1 < len ? vc + off[t + 1] : v0;  // its p is 0
+    for (int64_t j = t + 16; j < std::min<int64_t>(t + 18, len); ++j)
+      for (int c = 0; c < NQ * 32; c += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(vc + off[j] + c), _MM_HINT_T0);
+    __m512bh lo[NQ], hi[NQ];
+    for (int c = 0; c < NQ; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
     for (int g = 0; g < NG; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * p_stride + t]);
-      for (int c = 0; c < NF; ++c) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
+      uint32_t pair;  // p[g][t] in the low half, p[g][t + 1] in the high
+      std::memcpy(&pair, p + g * p_stride + t, sizeof pair);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < NQ; ++c) {
+        acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo[c], w);
+        acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi[c], w);
+      }
     }
   }
+  // Of the 32 dims of vector c, acc[g][2c] holds {0-3, 8-11, 16-19, 24-27}
+  // and acc[g][2c + 1] the other fours.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < NG; ++g) {
     const __m512 s = _mm512_set1_ps(inv[g]);
-    for (int c = 0; c < NF; ++c) {
-      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], s));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * out_stride + 16 * c), (__m256i)r);
+    for (int c = 0; c < NQ; ++c) {
+      const __m512 d0 = _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1]), s);
+      const __m512 d1 = _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1]), s);
+      _mm512_storeu_si512(out + g * out_stride + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(d1, d0));
     }
   }
 }
@@ -131,6 +153,7 @@ void decode_kernel_bf16(
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv(G);
+    std::vector<uint16_t> probs;  // the softmax numerators in bfloat16, for pass 2
     std::vector<int64_t> off;
     NextRowFetch next;
     for (int64_t item = begin; item < end; ++item) {
@@ -156,6 +179,7 @@ void decode_kernel_bf16(
         continue;
       }
       scores.resize(G * padded);
+      probs.resize(G * padded);
       // Element offset of each cached position's row for this kv head (the
       // same for keys and values).
       off.resize(len);
@@ -206,20 +230,21 @@ void decode_kernel_bf16(
         for (int64_t t = 0; t < padded; t += 16) {
           __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
           if (t == padded - 16) e = _mm512_maskz_mov_ps(tail, e);
-          _mm512_storeu_ps(sg + t, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&probs[g * padded + t]),
+                              (__m256i)_mm512_cvtneps_pbh(e));
           sum = _mm512_add_ps(sum, e);
         }
         inv[g] = 1.f / _mm512_reduce_add_ps(sum);
       }
-      // Pass 2: out = sum_t p_t * v_t in float32, up to 4 query heads per sweep.
+      // Pass 2: out = sum_t p_t * v_t, up to 4 query heads per sweep.
       uint16_t* ob = out + (b * H + h * G) * D;
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const float* p = &scores[g0 * padded];
+        const uint16_t* p = &probs[g0 * padded];
         switch (std::min<int64_t>(4, G - g0)) {
-          case 4: weighted_sum_bf16<4, NF>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
-          case 3: weighted_sum_bf16<3, NF>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
-          case 2: weighted_sum_bf16<2, NF>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
-          default: weighted_sum_bf16<1, NF>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D);
+          case 4: weighted_sum_bf16<4, NQ>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
+          case 3: weighted_sum_bf16<3, NQ>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
+          case 2: weighted_sum_bf16<2, NQ>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D); break;
+          default: weighted_sum_bf16<1, NQ>(vc, off.data(), len, p, padded, &inv[g0], ob + g0 * D, D);
         }
       }
     }

@@ -122,18 +122,25 @@ def test_prompt_rows_match_causal_reference(dtype: torch.dtype, group: int, head
 @pytest.mark.skipif(not cpu_ops.has_bf16_attention(), reason="no AVX512-BF16 kernel here")
 def test_bf16_attention_is_float32_attention_rounded_once() -> None:
     """The AVX512-BF16 kernel multiplies bfloat16 values exactly and sums in
-    float32: its output is the float32 result rounded once, up to float32
-    summation order (here: at most one bfloat16 step on a few elements)."""
+    float32; like flash attention it rounds the softmax numerators to
+    bfloat16 for p . v. Its output is that computation in float32 rounded
+    once, up to float32 summation order and the exp approximation (here: at
+    most one bfloat16 step on a few elements)."""
     gen = torch.Generator().manual_seed(5)
     lens = [1, 15, 16, 17, 190]
     q, kc, vc, tables, seq_lens, per_seq = make_paged(lens, 9, 3, 64, 16, torch.bfloat16, gen)
     out = cpu_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
     for i, n in enumerate(lens):
-        k = kc[per_seq[i]].flatten(0, 1)[:n].float()
-        v = vc[per_seq[i]].flatten(0, 1)[:n].float()
-        ref = reference_attention(q[i : i + 1].float(), k, v, 0.125)[0]
+        k = kc[per_seq[i]].flatten(0, 1)[:n].float().repeat_interleave(3, dim=1)
+        v = vc[per_seq[i]].flatten(0, 1)[:n].float().repeat_interleave(3, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i].float(), k) * 0.125
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))
+        ref = torch.einsum("hk,khd->hd", e.bfloat16().float(), v) / e.sum(-1, keepdim=True)
         exact = out[i] == ref.bfloat16()
         assert exact.float().mean() > 0.99, (n, exact.float().mean())
+        # and within bfloat16 noise of attention computed wholly in float32
+        full = reference_attention(q[i : i + 1].float(), k[:, ::3], v[:, ::3], 0.125)[0]
+        assert rel_err(out[i], full) < 1e-2, n
 
 
 @needs_compiled
