@@ -83,9 +83,23 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of this step's queries over the paged cache → [num_tokens, heads, head_dim]."""
-    write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(query)
     nd = meta.num_decode_tokens
+    if meta.compiled_decode and nd == query.shape[0] and meta.prefill_tables is None:
+        # A decode-only step (most steps): the cache write and the attention
+        # in one compiled call.
+        return cpu_ops.write_kv_decode_attention(
+            query,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+        )
+    write_kv(key, value.contiguous(), k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(query)
     if nd and meta.compiled_decode:
         out[:nd] = cpu_ops.paged_decode_attention(
             query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale

@@ -216,6 +216,38 @@ def paged_decode_attention(
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 
 
+def write_kv_decode_attention(
+    query: torch.Tensor,  # [batch, heads, head_dim]
+    key: torch.Tensor,  # [batch, kv_heads, head_dim], rows of any stride (views of qkv)
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [batch] int64: each new key's cache slot
+    block_tables: torch.Tensor,  # [batch, max_blocks] int64
+    seq_lens: torch.Tensor,  # [batch] int64, the new position included
+    scale: float,
+) -> torch.Tensor:
+    """A decode step's attention in one compiled call: store the step's keys
+    and values at their slots, then paged_decode_attention. The checks are
+    the kernel's (RuntimeError)."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    return _run(
+        ops,
+        "write_kv_decode_attention",
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        float(scale),
+    )
+
+
 def has_bf16_attention() -> bool:
     """Whether bfloat16 attention runs on the AVX512-BF16 kernel (fast enough for prompts)."""
     ops = load_cpu_ops()

@@ -276,7 +276,7 @@ class LlamaModel:
             else:
                 q = _apply_rope(q, cos, sin)
                 k = _apply_rope(k, cos, sin)
-            attn = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             if i == last and last_rows is not None:
                 if last_rows.numel() == 0:  # a prompt chunk that samples nothing
                     return residual.new_empty((0, residual.shape[-1]))

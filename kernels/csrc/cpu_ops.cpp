@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "recompute each row's near-maximal logits in float32, in place (CPU, bfloat16)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "attention of one query row per entry over its block table row (CPU)");
+  m.def("write_kv_decode_attention", &write_kv_decode_attention,
+        "store a decode step's keys and values at their slots, then paged attention (CPU)");
   m.def("has_bf16_attention", &has_bf16_attention,
         "whether bfloat16 attention runs on AVX512-BF16 instructions");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,

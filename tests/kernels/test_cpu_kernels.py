@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.linear
-from engine_core.attention import decode_attention, reference_attention
+from engine_core.attention import decode_attention, reference_attention, write_kv
 from kernels import cpu_ops
 from kernels.linear import (
     BLOCKS_MAX_ROWS,
@@ -116,6 +116,31 @@ def test_prompt_rows_match_causal_reference(dtype: torch.dtype, group: int, head
         ref = reference_attention(q[start : start + n].float(), k.float(), v.float(), scale)
         assert rel_err(out[start : start + n], ref) < tol, (context, n)
         start += n
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_decode_attention_is_write_then_attend(dtype: torch.dtype) -> None:
+    """The one-call decode path stores k and v (strided views of a fused qkv
+    row) at their slots and attends exactly as write_kv then the kernel."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [1, 16, 17, 90]
+    _, kc, vc, tables, seq_lens, per_seq = make_paged(lens, 6, 2, 64, 16, dtype, gen)
+    qkv = torch.randn(len(lens), (6 + 2 * 2) * 64, generator=gen).to(dtype)
+    q, k, v = (t.view(len(lens), -1, 64) for t in qkv.split([6 * 64, 2 * 64, 2 * 64], -1))
+    slots = torch.tensor(
+        [ids[(n - 1) // 16] * 16 + (n - 1) % 16 for ids, n in zip(per_seq, lens, strict=True)]
+    )
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = cpu_ops.write_kv_decode_attention(q, k, v, kc, vc, slots, tables, seq_lens, 0.125)
+    write_kv(k, v.contiguous(), kc2, vc2, slots)
+    ref = cpu_ops.paged_decode_attention(q, kc2, vc2, tables, seq_lens, 0.125)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        bad = slots.clone()
+        bad[2] = kc.shape[0] * 16
+        cpu_ops.write_kv_decode_attention(q, k, v, kc, vc, bad, tables, seq_lens, 0.125)
 
 
 @needs_compiled
