@@ -48,11 +48,13 @@ def _build_dir() -> Path:
     for path in sorted(_SOURCE.parent.iterdir()):  # the .cpp and its headers
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(torch.__version__.encode() + _cpu_flags().encode())
+    digest.update(" ".join(_CFLAGS).encode())
     key = digest.hexdigest()[:16]
     return cache_root() / "torch_extensions" / key
 
 
 _MODULE_NAME = "pagoda_cpu_ops"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # A build takes well under a minute; a lock this old was left by a killed process.
 _STALE_LOCK_S = 600
 
@@ -142,7 +144,7 @@ def load_cpu_ops() -> ModuleType | None:
             _module = load(
                 name=_MODULE_NAME,
                 sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_cflags=_CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,
