@@ -250,6 +250,42 @@ def write_kv_decode_attention(
     )
 
 
+def qkv_decode_attention(
+    qkv: torch.Tensor,  # [batch, (heads + 2 * kv_heads) * head_dim], the fused projection
+    heads: int,
+    positions: torch.Tensor,  # [batch] int64
+    cos: torch.Tensor,  # [max_positions, head_dim / 2]
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [batch] int64
+    block_tables: torch.Tensor,  # [batch, max_blocks] int64
+    seq_lens: torch.Tensor,  # [batch] int64, the new position included
+    scale: float,
+) -> torch.Tensor:
+    """rotary_embedding on qkv's q and k in place, then write_kv_decode_attention:
+    a decode step's attention from the fused projection in one compiled call
+    → [batch, heads, head_dim]. The checks are the kernel's (RuntimeError)."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    return _run(
+        ops,
+        "qkv_decode_attention",
+        qkv,
+        heads,
+        positions,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        float(scale),
+    )
+
+
 def has_bf16_attention() -> bool:
     """Whether bfloat16 attention runs on the AVX512-BF16 kernel (fast enough for prompts)."""
     ops = load_cpu_ops()

@@ -269,14 +269,38 @@ class LlamaModel:
         residual = hidden
         x = self._rms_norm(residual, self.layers[0].input_layernorm)
         last = len(self.layers) - 1
+        # A decode-only step goes from the fused qkv projection to attention
+        # in one compiled call a layer (rotary, cache write, attention).
+        one_call = (
+            self.fused
+            and meta.compiled_decode
+            and meta.num_decode_tokens == input_ids.shape[0]
+            and meta.prefill_tables is None
+            and self.layers[0].q_norm is None
+        )
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            q, k, v = self._qkv(layer, x, lora, i)
-            if self.fused:  # in place on the views of qkv
-                cpu_ops.rotary_embedding(q, k, positions, self.rope_cos, self.rope_sin)
+            if one_call:
+                attn = cpu_ops.qkv_decode_attention(
+                    _project(layer.qkv_proj, x, lora, i, "qkv_proj"),
+                    self.config.num_heads,
+                    positions,
+                    self.rope_cos,
+                    self.rope_sin,
+                    k_cache,
+                    v_cache,
+                    meta.slot_mapping,
+                    meta.decode_block_tables,
+                    meta.decode_seq_lens,
+                    self.scale,
+                )
             else:
-                q = _apply_rope(q, cos, sin)
-                k = _apply_rope(k, cos, sin)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+                q, k, v = self._qkv(layer, x, lora, i)
+                if self.fused:  # in place on the views of qkv
+                    cpu_ops.rotary_embedding(q, k, positions, self.rope_cos, self.rope_sin)
+                else:
+                    q = _apply_rope(q, cos, sin)
+                    k = _apply_rope(k, cos, sin)
+                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             if i == last and last_rows is not None:
                 if last_rows.numel() == 0:  # a prompt chunk that samples nothing
                     return residual.new_empty((0, residual.shape[-1]))

@@ -203,8 +203,9 @@ torch::Tensor write_kv_decode_attention(torch::Tensor q, torch::Tensor k, torch:
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
   const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < capacity, "slot ", slot[b], " is outside the cache");
+  for (int64_t b = 0; b < B; ++b) {
     std::memcpy(kc + slot[b] * row_bytes, kp + b * k_stride, row_bytes);
     std::memcpy(vc + slot[b] * row_bytes, vp + b * v_stride, row_bytes);
   }

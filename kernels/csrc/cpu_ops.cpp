@@ -11,6 +11,35 @@
 #include "linear_bf16.h"
 #include "logits.h"
 
+// A decode step's attention straight from the fused qkv projection
+// [B, (heads + 2 kv_heads) * D]: the neox rotary embedding of q and k in
+// place, then write_kv_decode_attention. One call a layer where Python
+// would split, view and rotate first.
+torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t heads, torch::Tensor positions,
+                                   torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                   torch::Tensor v_cache, torch::Tensor slots,
+                                   torch::Tensor block_tables, torch::Tensor seq_lens,
+                                   double scale) {
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be [NB, BS, KVH, D]");
+  const int64_t KVH = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && heads > 0 && qkv.size(1) == (heads + 2 * KVH) * D,
+              "qkv must be [B, (heads + 2 kv_heads) * head_dim]");
+  qkv = qkv.contiguous();
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == qkv.size(0),
+              "positions must be int64, one per row");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == D / 2 && D % 2 == 0 &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must be contiguous [max_positions, head_dim / 2] of qkv's dtype");
+  const int64_t B = qkv.size(0), row = qkv.size(1);
+  auto q = qkv.as_strided({B, heads, D}, {row, D, 1}, qkv.storage_offset());
+  auto k = qkv.as_strided({B, KVH, D}, {row, D, 1}, qkv.storage_offset() + heads * D);
+  auto v = qkv.as_strided({B, KVH, D}, {row, D, 1}, qkv.storage_offset() + (heads + KVH) * D);
+  rotary_embedding(q, k, positions, cos, sin);
+  return write_kv_decode_attention(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU, float32)");
   m.def("refine_leading_logits", &refine_leading_logits,
@@ -19,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention of one query row per entry over its block table row (CPU)");
   m.def("write_kv_decode_attention", &write_kv_decode_attention,
         "store a decode step's keys and values at their slots, then paged attention (CPU)");
+  m.def("qkv_decode_attention", &qkv_decode_attention,
+        "rotary embedding of a fused qkv, then write_kv_decode_attention (CPU)");
   m.def("has_bf16_attention", &has_bf16_attention,
         "whether bfloat16 attention runs on AVX512-BF16 instructions");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,

@@ -121,8 +121,9 @@ def test_prompt_rows_match_causal_reference(dtype: torch.dtype, group: int, head
 @needs_compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_decode_attention_is_write_then_attend(dtype: torch.dtype) -> None:
-    """The one-call decode path stores k and v (strided views of a fused qkv
-    row) at their slots and attends exactly as write_kv then the kernel."""
+    """The one-call decode paths store k and v (strided views of a fused qkv
+    row) at their slots and attend exactly as write_kv then the kernel; from
+    the fused projection, after the same rotary embedding."""
     gen = torch.Generator().manual_seed(11)
     lens = [1, 16, 17, 90]
     _, kc, vc, tables, seq_lens, per_seq = make_paged(lens, 6, 2, 64, 16, dtype, gen)
@@ -141,6 +142,18 @@ def test_write_kv_decode_attention_is_write_then_attend(dtype: torch.dtype) -> N
         bad = slots.clone()
         bad[2] = kc.shape[0] * 16
         cpu_ops.write_kv_decode_attention(q, k, v, kc, vc, bad, tables, seq_lens, 0.125)
+
+    # From the fused projection: the rotary embedding first, then the same.
+    cos, sin = torch.randn(2, 256, 32, generator=gen).to(dtype)
+    positions = seq_lens - 1
+    kc3, vc3 = kc2.clone(), vc2.clone()
+    fused = cpu_ops.qkv_decode_attention(
+        qkv.clone(), 6, positions, cos, sin, kc3, vc3, slots, tables, seq_lens, 0.125
+    )
+    cpu_ops.rotary_embedding(q, k, positions, cos, sin)
+    ref = cpu_ops.write_kv_decode_attention(q, k, v, kc2, vc2, slots, tables, seq_lens, 0.125)
+    assert torch.equal(kc3, kc2) and torch.equal(vc3, vc2)
+    assert torch.equal(fused, ref)
 
 
 @needs_compiled
