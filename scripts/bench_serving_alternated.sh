@@ -6,7 +6,10 @@
 # other's run next to it did; on a shared machine whose speed drifts within
 # minutes this compares better than bench_serving_vs_vllm.sh, which runs
 # one server's loads and then the other's. JSON reports land in
-# ${OUT:-/tmp/alternated}/{vllm,pagoda}_r<round>_c<concurrency>.json.
+# ${OUT:-/tmp/alternated}/{vllm,pagoda}_r<round>_c<concurrency>[_i<in>o<out>].json.
+# LOADS lists the loads as concurrency:prompts[:input_len:output_len]
+# (default "16:64 64:128", 128 -> 128 tokens); the issue's full set is
+# LOADS="1:16 16:64 64:128 64:400:32:1".
 #
 #   VLLM_PY=/tmp/vllmenv/bin/python HF_DIR=/tmp/smollm2-bf16 \
 #       scripts/bench_serving_alternated.sh
@@ -38,21 +41,25 @@ for port in "$VPORT" "$PPORT"; do
 done
 
 seed=10
-printf '%-6s %-6s %-7s %10s %9s %8s\n' round load system "out tok/s" "TTFT med" "ITL med"
+printf '%-6s %-12s %-7s %10s %8s %9s %8s\n' round load system "out tok/s" "req/s" "TTFT med" \
+  "ITL med"
 for round in $(seq "$ROUNDS"); do
-  for load in "16 64" "64 128"; do
-    read -r conc prompts <<< "$load"
+  for load in ${LOADS:-16:64 64:128}; do
+    IFS=: read -r conc prompts in_len out_len <<< "$load"
+    name="c${conc}${in_len:+_i${in_len}o${out_len}}"
     for side in "vllm $VPORT" "pagoda $PPORT"; do
       read -r system port <<< "$side"
       seed=$((seed + 1))
-      report="$OUT/${system}_r${round}_c${conc}.json"
+      report="$OUT/${system}_r${round}_${name}.json"
       $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --num-prompts "$prompts" \
+        --input-len "${in_len:-128}" --output-len "${out_len:-128}" \
         --max-concurrency "$conc" --seed "$seed" --json "$report" > /dev/null
-      $PY - "$report" "$round" "c=$conc" "$system" <<'PYEOF'
+      $PY - "$report" "$round" "$name" "$system" <<'PYEOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"{sys.argv[2]:<6} {sys.argv[3]:<6} {sys.argv[4]:<7} {r['output_throughput']:>10.1f}"
-      f" {r['ttft_ms']['median']:>9.0f} {r['itl_ms']['median']:>8.1f}")
+print(f"{sys.argv[2]:<6} {sys.argv[3]:<12} {sys.argv[4]:<7} {r['output_throughput']:>10.1f}"
+      f" {r['request_throughput']:>8.2f} {r['ttft_ms']['median']:>9.0f}"
+      f" {r['itl_ms']['median']:>8.1f}")
 PYEOF
     done
   done
