@@ -3,6 +3,11 @@
     python scripts/plot_serving.py docs/bench/serving_c1.json docs/bench/serving_c16.json \\
         docs/bench/serving_c64.json -o docs/bench/serving.png
 
+A report given as LABEL=PATH joins the series LABEL, so that systems measured
+side by side share the axes:
+
+    python scripts/plot_serving.py pagoda=a_c1.json pagoda=a_c16.json vllm=b_c1.json ...
+
 Needs matplotlib (not a Pagoda dependency: pip install matplotlib).
 """
 
@@ -24,19 +29,26 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted((json.load(open(p)) for p in args.reports), key=lambda r: r["max_concurrency"])
-    conc = [r["max_concurrency"] for r in rows]
+    series: dict[str, list[dict]] = {}
+    for arg in args.reports:
+        label, _, path = arg.rpartition("=")
+        series.setdefault(label, []).append(json.load(open(path)))
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    a.plot(conc, [r["output_throughput"] for r in rows], "o-")
-    a.set_xscale("log", base=2)
-    a.set_xlabel("max concurrency")
-    a.set_ylabel("output tokens / s")
-    a.set_title("Output throughput (128 -> 128)")
-    b.plot(conc, [r["ttft_ms"]["median"] for r in rows], "o-", color="tab:red")
-    b.set_xscale("log", base=2)
-    b.set_xlabel("max concurrency")
-    b.set_ylabel("median TTFT (ms)")
-    b.set_title("Time to first token")
+    for label, reports in series.items():
+        rows = sorted(reports, key=lambda r: r["max_concurrency"])
+        conc = [r["max_concurrency"] for r in rows]
+        a.plot(conc, [r["output_throughput"] for r in rows], "o-", label=label or None)
+        b.plot(conc, [r["ttft_ms"]["median"] for r in rows], "o-", label=label or None)
+    for axis, ylabel, title in (
+        (a, "output tokens / s", "Output throughput (128 -> 128)"),
+        (b, "median TTFT (ms)", "Time to first token"),
+    ):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("max concurrency")
+        axis.set_ylabel(ylabel)
+        axis.set_title(title)
+        if any(series):
+            axis.legend()
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)
 
