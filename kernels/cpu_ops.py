@@ -472,11 +472,13 @@ def linear_bf16_pairs(
     packed: torch.Tensor,  # pack_bf16_pairs(W)
     outs: int,
     bias: torch.Tensor | None = None,  # [out]
+    float_out: bool = False,
 ) -> torch.Tensor:
     """Launcher: x W^T (+ b) on weights packed by pack_bf16_pairs
-    (kernels/linear.Linear picks it for bfloat16 on AVX512-BF16). The compiled
-    op checks shapes, dtypes and layout."""
+    (kernels/linear.Linear picks it for bfloat16 on AVX512-BF16): bfloat16,
+    or with float_out the float32 sums of the exact products, unrounded. The
+    compiled op checks shapes, dtypes and layout."""
     ops = load_cpu_ops()
     if ops is None:
         raise RuntimeError("compiled CPU kernels are not available")
-    return _run(ops, "linear_bf16_pairs", x, packed, outs, bias)
+    return _run(ops, "linear_bf16_pairs", x, packed, outs, bias, float_out)

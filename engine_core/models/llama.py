@@ -370,8 +370,14 @@ class LlamaModel:
         0.125 for bfloat16 logits of 16-32, enough to tie or swap the leading
         tokens. The logits within one such step of each row's maximum are
         recomputed in float32 from the same weights, so greedy picks the token
-        the half-precision model ranks first.
+        the half-precision model ranks first. A bfloat16 head on the pairs
+        kernel gives every logit that way at once: its float32 sums, unrounded.
         """
+        head = self.lm_head
+        if head.pairs is not None and head.int4 is None and hidden.dtype == torch.bfloat16:
+            return cpu_ops.linear_bf16_pairs(
+                hidden, head.pairs, head.out_features, head.bias, float_out=True
+            )
         logits = self.lm_head(hidden).float()
         if hidden.dtype in _MANTISSA_BITS:
             self._refine_leading(hidden, logits)

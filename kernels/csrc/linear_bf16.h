@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -35,9 +36,10 @@ constexpr int64_t kRowGroup = 64;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PAGODA_BF16_PAIRS 1
 
-template <int R>
+// Out: uint16_t (bfloat16, rounded once) or float (the float32 sums).
+template <int R, typename Out>
 inline void pairs_block(const uint16_t* x, int64_t x_stride, int64_t in, const uint16_t* w,
-                        const float* bias, uint16_t* y, int64_t y_stride, int64_t cols) {
+                        const float* bias, Out* y, int64_t y_stride, int64_t cols) {
   constexpr int Z = kTileCols / 16;
   __m512 acc[R][Z];
   for (int m = 0; m < R; ++m)
@@ -70,14 +72,19 @@ inline void pairs_block(const uint16_t* x, int64_t x_stride, int64_t in, const u
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
     const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c0);
     for (int m = 0; m < R; ++m) {
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][z], b));
-      _mm256_mask_storeu_epi16(y + m * y_stride + c0, mask, h);
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_mask_storeu_ps(y + m * y_stride + c0, mask, _mm512_add_ps(acc[m][z], b));
+      } else {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][z], b));
+        _mm256_mask_storeu_epi16(y + m * y_stride + c0, mask, h);
+      }
     }
   }
 }
 
+template <typename Out>
 void linear_bf16_pairs_kernel(const uint16_t* x, int64_t x_stride, const uint16_t* w,
-                              const float* bias, uint16_t* y, int64_t rows, int64_t in,
+                              const float* bias, Out* y, int64_t rows, int64_t in,
                               int64_t outs) {
   const int64_t tiles = (outs + kTileCols - 1) / kTileCols;
   const int64_t groups = (rows + kRowGroup - 1) / kRowGroup;
@@ -90,10 +97,10 @@ void linear_bf16_pairs_kernel(const uint16_t* x, int64_t x_stride, const uint16_
     const int64_t last = std::min(rows, (group + 1) * kRowGroup);
     for (int64_t m0 = group * kRowGroup; m0 < last; m0 += kRowBlock) {
       const uint16_t* xm = x + m0 * x_stride;
-      uint16_t* ym = y + m0 * outs + c0;
+      Out* ym = y + m0 * outs + c0;
       switch (std::min(kRowBlock, last - m0)) {
 #define PAGODA_PAIRS_CASE(R) \
-  case R: pairs_block<R>(xm, x_stride, in, wt, bt, ym, outs, cols); break;
+  case R: pairs_block<R, Out>(xm, x_stride, in, wt, bt, ym, outs, cols); break;
         PAGODA_PAIRS_CASE(1) PAGODA_PAIRS_CASE(2) PAGODA_PAIRS_CASE(3) PAGODA_PAIRS_CASE(4)
         PAGODA_PAIRS_CASE(5) PAGODA_PAIRS_CASE(6) PAGODA_PAIRS_CASE(7) PAGODA_PAIRS_CASE(8)
 #undef PAGODA_PAIRS_CASE
@@ -117,9 +124,9 @@ bool has_bf16_pairs() {
 
 // x [rows, in] bfloat16 (rows may be strided), packed [tiles, (in + 1) / 2,
 // kTileCols, 2] bfloat16 from pack_bf16_pairs, bias [out] or None: a new
-// [rows, out] bfloat16 tensor.
+// [rows, out] bfloat16 tensor, or with float_out the float32 sums unrounded.
 torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t outs,
-                                const c10::optional<torch::Tensor>& bias) {
+                                const c10::optional<torch::Tensor>& bias, bool float_out) {
   TORCH_CHECK(has_bf16_pairs(), "linear_bf16_pairs: this CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4, "linear_bf16_pairs: x must be 2-D, packed 4-D");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_bf16_pairs: CPU tensors only");
@@ -136,7 +143,7 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pac
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == outs, "linear_bf16_pairs: bias must have ", outs, " entries");
   }
-  auto y = torch::empty({rows, outs}, x.options());
+  auto y = torch::empty({rows, outs}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || outs == 0) return y;
   if (in == 0) {
     y.zero_();
@@ -145,10 +152,14 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pac
   }
 #ifdef PAGODA_BF16_PAIRS
   auto xs = x.stride(1) == 1 ? x : x.contiguous();
-  linear_bf16_pairs_kernel(reinterpret_cast<const uint16_t*>(xs.data_ptr()), xs.stride(0),
-                           reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                           b.defined() ? b.data_ptr<float>() : nullptr,
-                           reinterpret_cast<uint16_t*>(y.data_ptr()), rows, in, outs);
+  const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (float_out)
+    linear_bf16_pairs_kernel(xp, xs.stride(0), wp, bp, y.data_ptr<float>(), rows, in, outs);
+  else
+    linear_bf16_pairs_kernel(xp, xs.stride(0), wp, bp, reinterpret_cast<uint16_t*>(y.data_ptr()),
+                             rows, in, outs);
 #endif
   return y;
 }

@@ -278,6 +278,10 @@ def test_bf16_pairs_kernel_is_float32_product_rounded_once(
     assert (out == exact).float().mean() > 0.98
     onednn = F.linear(x, w, b)
     assert (out == onednn).float().mean() > 0.98
+    # float_out: the same float32 sums, unrounded (the logits head's form)
+    sums = cpu_ops.linear_bf16_pairs(x, packed, outs, b, float_out=True)
+    assert sums.dtype == torch.float32 and torch.equal(sums.bfloat16(), out)
+    assert torch.allclose(sums.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 @needs_pairs
