@@ -59,6 +59,16 @@ class AttentionMetadata:
     # tokens after the decode rows.
     prefill_query_index: torch.Tensor | None = None  # [num_rows] int64
 
+    @property
+    def compiled_decode_only(self) -> bool:
+        """Every token is a decode row for the compiled kernel (most steps):
+        the cache write and attention can go in one compiled call."""
+        return (
+            self.compiled_decode
+            and self.prefill_tables is None
+            and self.num_decode_tokens == self.slot_mapping.shape[0]
+        )
+
 
 def write_kv(
     key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
@@ -84,9 +94,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of this step's queries over the paged cache → [num_tokens, heads, head_dim]."""
     nd = meta.num_decode_tokens
-    if meta.compiled_decode and nd == query.shape[0] and meta.prefill_tables is None:
-        # A decode-only step (most steps): the cache write and the attention
-        # in one compiled call.
+    if meta.compiled_decode_only:
         return cpu_ops.write_kv_decode_attention(
             query,
             key,

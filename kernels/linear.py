@@ -262,6 +262,15 @@ class Linear:
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return out[:rows] if bucket != rows else out
 
+    def float32_sums(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x W^T (+ b) as the float32 sums of the exact bfloat16 products,
+        unrounded, where this Linear runs on the pairs kernel; else None."""
+        if self.pairs is None or self.int4 is not None or x.dtype != torch.bfloat16:
+            return None
+        return cpu_ops.linear_bf16_pairs(
+            x, self.pairs, self.out_features, self.bias, float_out=True
+        )
+
 
 def reference_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -271,13 +271,7 @@ class LlamaModel:
         last = len(self.layers) - 1
         # A decode-only step goes from the fused qkv projection to attention
         # in one compiled call a layer (rotary, cache write, attention).
-        one_call = (
-            self.fused
-            and meta.compiled_decode
-            and meta.num_decode_tokens == input_ids.shape[0]
-            and meta.prefill_tables is None
-            and self.layers[0].q_norm is None
-        )
+        one_call = self.fused and meta.compiled_decode_only and self.layers[0].q_norm is None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if one_call:
                 attn = cpu_ops.qkv_decode_attention(
@@ -373,11 +367,9 @@ class LlamaModel:
         the half-precision model ranks first. A bfloat16 head on the pairs
         kernel gives every logit that way at once: its float32 sums, unrounded.
         """
-        head = self.lm_head
-        if head.pairs is not None and head.int4 is None and hidden.dtype == torch.bfloat16:
-            return cpu_ops.linear_bf16_pairs(
-                hidden, head.pairs, head.out_features, head.bias, float_out=True
-            )
+        sums = self.lm_head.float32_sums(hidden)
+        if sums is not None:
+            return sums
         logits = self.lm_head(hidden).float()
         if hidden.dtype in _MANTISSA_BITS:
             self._refine_leading(hidden, logits)

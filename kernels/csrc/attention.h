@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -212,6 +212,6 @@ torch::Tensor write_kv_decode_attention(torch::Tensor q, torch::Tensor k, torch:
   q = q.contiguous();
   auto out = torch::empty_like(q);
   paged_decode_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
-                         torch::Tensor(torch::empty({0}, slots.options())), seq_lens.contiguous(), scale);
+                         torch::empty({0}, slots.options()), seq_lens.contiguous(), scale);
   return out;
 }
