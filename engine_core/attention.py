@@ -107,10 +107,16 @@ def paged_attention(
             scale,
         )
     write_kv(key, value.contiguous(), k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape)  # contiguous, whatever query's row stride
     if nd and meta.compiled_decode:
-        out[:nd] = cpu_ops.paged_decode_attention(
-            query[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        cpu_ops.paged_decode_attention(
+            query[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            out=out[:nd],
         )
     elif nd:
         out[:nd] = decode_attention(
@@ -132,10 +138,9 @@ def paged_attention(
             meta.prefill_lens,
             scale,
             table_rows=meta.prefill_table_rows,
+            out=out[nd:] if index is None else None,  # the prompt rows in place
         )
-        if index is None:
-            out[nd:] = rows
-        else:
+        if index is not None:
             out.index_copy_(0, index, rows)
     for seq in meta.prefills:
         if seq.compiled:

@@ -166,13 +166,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [rows] int64: cached positions each query row attends to
     scale: float,
     table_rows: torch.Tensor | None = None,  # [rows] int64: each row's table (None: row i)
+    out: torch.Tensor | None = None,  # [rows, heads, head_dim], contiguous: written in place
 ) -> torch.Tensor:
     """Launcher: checks shapes, dtypes and layout, then runs the compiled kernel.
 
     Each query row attends to the first seq_lens[i] positions of its block
     table. Decode steps give one row per sequence; a prompt chunk gives one
     row per token, all pointing at its sequence's table, with lengths that
-    grow by one (causal).
+    grow by one (causal). Query rows may be strided (views of a fused qkv
+    projection); the result goes to `out` when given, else to a new tensor.
     """
     ops = load_cpu_ops()
     if ops is None:
@@ -198,8 +200,12 @@ def paged_decode_attention(
         raise ValueError("table_rows must be int64 [batch]")
     if query.device.type != "cpu":
         raise ValueError("this kernel runs on the CPU")
-    query = query.contiguous()
-    out = torch.empty_like(query)
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    if out is None:
+        out = query.new_empty(query.shape)
+    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError("out must be contiguous, of the query's shape and dtype")
     _run(
         ops,
         "paged_decode_attention",
@@ -454,17 +460,37 @@ def has_bf16_pairs() -> bool:
 PAIRS_TILE_COLS = 48
 
 
-def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+def pack_bf16_pairs(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
     """W [out, in] bfloat16 in the pairs kernel's layout: [tiles, (in + 1) / 2,
     48, 2], zero-padded to whole tiles and an even number of inputs, so that
-    one 64-byte load holds 16 columns x 2 consecutive inputs."""
+    one 64-byte load holds 16 columns x 2 consecutive inputs.
+
+    glu: W is a gated MLP's gate|up projection (gate rows, then as many up
+    rows); each tile then holds 24 units' gate columns and their up columns,
+    for linear_bf16_pairs' gated forms (GLU_CONCAT, GLU_SILU_MUL)."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16:
         raise ValueError("expected bfloat16 weights [out, in]")
     outs, ins = weight.shape
+    if glu:
+        if outs % 2:
+            raise ValueError("glu: expected gate|up weights, an even number of rows")
+        half, units = PAIRS_TILE_COLS // 2, outs // 2
+        tiles = -(-units // half)
+        gate_up = weight.new_zeros(2, tiles * half, ins)
+        gate_up[:, :units] = weight.view(2, units, ins)
+        # [gate|up, tiles, 24, in] -> [tiles, gate 24 | up 24, in]
+        weight = gate_up.view(2, tiles, half, ins).transpose(0, 1).reshape(-1, ins)
+        outs = weight.shape[0]
     tiles, pairs = -(-outs // PAIRS_TILE_COLS), (ins + 1) // 2
     padded = weight.new_zeros(tiles * PAIRS_TILE_COLS, pairs * 2)
     padded[:outs, :ins] = weight
     return padded.view(tiles, PAIRS_TILE_COLS, pairs, 2).permute(0, 2, 1, 3).contiguous()
+
+
+# linear_bf16_pairs' output forms over weights packed with glu=True:
+# gate|up as the plain projection gives them, or silu(gate) * up.
+GLU_CONCAT = 1
+GLU_SILU_MUL = 2
 
 
 def linear_bf16_pairs(
@@ -473,12 +499,16 @@ def linear_bf16_pairs(
     outs: int,
     bias: torch.Tensor | None = None,  # [out]
     float_out: bool = False,
+    glu: int = 0,
 ) -> torch.Tensor:
     """Launcher: x W^T (+ b) on weights packed by pack_bf16_pairs
     (kernels/linear.Linear picks it for bfloat16 on AVX512-BF16): bfloat16,
-    or with float_out the float32 sums of the exact products, unrounded. The
-    compiled op checks shapes, dtypes and layout."""
+    or with float_out the float32 sums of the exact products, unrounded.
+    glu (weights packed with glu=True, no bias): GLU_CONCAT gives gate|up
+    [rows, outs], GLU_SILU_MUL silu(gate) * up [rows, outs / 2], rounded as
+    silu_and_mul of the former. The compiled op checks shapes, dtypes and
+    layout."""
     ops = load_cpu_ops()
     if ops is None:
         raise RuntimeError("compiled CPU kernels are not available")
-    return _run(ops, "linear_bf16_pairs", x, packed, outs, bias, float_out)
+    return _run(ops, "linear_bf16_pairs", x, packed, outs, bias, float_out, glu)

@@ -21,6 +21,10 @@ bfloat16`), oneDNN vs pairs, ms: 1 row 11.7 vs 4.9, 4 rows 9.6 vs 4.9, 8 rows
 32.7; a 4096-row prompt chunk (4 layers) 283 vs 286; the 49152-wide head at
 1 row 1.7 vs 1.0. It also beats the GGUF block kernel (below) from 2 rows (1
 row: 4.9 vs 4.6, head 1.0 vs 3.0), so such a Linear keeps only this copy.
+A gated MLP's gate|up Linear (glu=True) is packed with each tile holding
+24 units' gate and up columns, so the kernel can hand back silu(gate) * up
+directly (Linear.silu_and_mul), rounded as the separate op rounds it, and
+skip that op's pass over the projection's output.
 
 A few rows (decoding one to a handful of sequences) do almost no arithmetic
 per weight, so their time is the time to stream the weights from memory.
@@ -194,7 +198,10 @@ class Linear:
         int4: Int4Weight | None = None,
         small_rows: bool = False,
         blocks: BlockWeight | None = None,
+        glu: bool = False,
     ) -> None:
+        """glu: weight is a gated MLP's gate|up projection (gate rows, then up
+        rows); on the pairs kernel it is then packed for silu_and_mul()."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         # The same weights in 4 bits, for small batches (--quantization gguf).
@@ -210,6 +217,8 @@ class Linear:
         self.packed = _can_pack(weight)
         # The weights in the pairs kernel's layout (bfloat16 on AVX512-BF16).
         self.pairs: torch.Tensor | None = None
+        # Whether pairs holds gate|up packed for the fused silu(gate) * up.
+        self.glu = False
         # Plain weights for the few-row kernel (see the module docstring), used
         # up to small_rows_max rows; None: at every row count.
         self.plain: torch.Tensor | None = None
@@ -227,7 +236,8 @@ class Linear:
             # The pairs kernel at every row count, in place of oneDNN's copy, the
             # plain one and the GGUF blocks: faster than each of them at their row
             # counts, or level (the blocks at 1 row; see the module docstring).
-            self.weight = self.pairs = cpu_ops.pack_bf16_pairs(weight)
+            self.glu = glu and bias is None and self.out_features % 2 == 0
+            self.weight = self.pairs = cpu_ops.pack_bf16_pairs(weight, glu=self.glu)
             self.blocks = None
         elif self.packed:
             self.weight = pack_weight(weight)
@@ -247,7 +257,8 @@ class Linear:
         if self.blocks is not None and rows <= self.blocks_max_rows:
             return self.blocks.matmul(x, self.bias)
         if self.pairs is not None:
-            return cpu_ops.linear_bf16_pairs(x, self.pairs, self.out_features, self.bias)
+            glu = cpu_ops.GLU_CONCAT if self.glu else 0
+            return cpu_ops.linear_bf16_pairs(x, self.pairs, self.out_features, self.bias, glu=glu)
         limit = self.small_rows_max
         if self.plain is not None and (limit is None or rows <= limit):
             return cpu_ops.linear_small_rows(x, self.plain, self.bias)
@@ -262,10 +273,20 @@ class Linear:
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return out[:rows] if bucket != rows else out
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate|up projection in the kernel's one pass
+        over the weights, rounded as silu_and_mul of its output is, where it is
+        packed for that (glu on the pairs kernel, at this row count); else None."""
+        if self.pairs is None or not self.glu:
+            return None
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            return None
+        return cpu_ops.linear_bf16_pairs(x, self.pairs, self.out_features, glu=cpu_ops.GLU_SILU_MUL)
+
     def float32_sums(self, x: torch.Tensor) -> torch.Tensor | None:
         """x W^T (+ b) as the float32 sums of the exact bfloat16 products,
         unrounded, where this Linear runs on the pairs kernel; else None."""
-        if self.pairs is None or self.int4 is not None or x.dtype != torch.bfloat16:
+        if self.pairs is None or self.glu or self.int4 is not None or x.dtype != torch.bfloat16:
             return None
         return cpu_ops.linear_bf16_pairs(
             x, self.pairs, self.out_features, self.bias, float_out=True

@@ -217,9 +217,11 @@ class LlamaModel:
                 [take(p + "q_proj.bias"), take(p + "k_proj.bias"), take(p + "v_proj.bias")]
             )
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None, *names: str) -> Linear:
+        def linear(
+            weight: torch.Tensor, bias: torch.Tensor | None, *names: str, glu: bool = False
+        ) -> Linear:
             full = [p + n for n in names]
-            return Linear(weight, bias, take_int4(*full), small_rows, take_blocks(*full))
+            return Linear(weight, bias, take_int4(*full), small_rows, take_blocks(*full), glu)
 
         return DecoderLayer(
             input_layernorm=take(p + "input_layernorm.weight"),
@@ -231,6 +233,7 @@ class LlamaModel:
                 None,
                 "gate_proj.weight",
                 "up_proj.weight",
+                glu=True,
             ),
             down_proj=linear(take(p + "down_proj.weight"), None, "down_proj.weight"),
             q_norm=take(p + "q_norm.weight") if cfg.qk_norm else None,
@@ -304,8 +307,13 @@ class LlamaModel:
                 residual,
                 layer.post_attention_layernorm,
             )
-            gate_up = _project(layer.gate_up_proj, x, lora, i, "gate_up_proj")
-            mlp = _project(layer.down_proj, self._silu_and_mul(gate_up), lora, i, "down_proj")
+            # silu(gate) * up straight from the projection where its kernel
+            # does both (LoRA adds its delta to gate|up first).
+            act = None if lora is not None else layer.gate_up_proj.silu_and_mul(x)
+            if act is None:
+                gate_up = _project(layer.gate_up_proj, x, lora, i, "gate_up_proj")
+                act = self._silu_and_mul(gate_up)
+            mlp = _project(layer.down_proj, act, lora, i, "down_proj")
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
             x, residual = self._add_rms_norm(mlp, residual, next_norm)
         return x

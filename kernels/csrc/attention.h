@@ -38,13 +38,13 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b) {
 template <typename scalar_t, int D>
 void decode_kernel(
     scalar_t* __restrict__ out,           // [B, H, D]
-    const scalar_t* __restrict__ q,       // [B, H, D]
+    const scalar_t* __restrict__ q,       // [B, H, D], rows q_stride apart
     const scalar_t* __restrict__ k_cache, // [NB, BS, KVH, D]
     const scalar_t* __restrict__ v_cache, // [NB, BS, KVH, D]
     const int64_t* __restrict__ tables,   // [R, MB]
     const int64_t* __restrict__ rows,     // [B]: each query's table row (null: row b)
     const int64_t* __restrict__ lens,     // [B]: positions each query attends to
-    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
@@ -55,7 +55,7 @@ void decode_kernel(
       const int64_t* table = tables + (rows ? rows[b] : b) * MB;
       scores.resize(G * len);
       for (int64_t g = 0; g < G; ++g) {
-        load_row<scalar_t, D>(q + (b * H + h * G + g) * D, &qf[g * D]);
+        load_row<scalar_t, D>(q + b * q_stride + (h * G + g) * D, &qf[g * D]);
         for (int d = 0; d < D; ++d) qf[g * D + d] *= scale;
       }
       // Pass 1: scores = q . k for every cached position, block by block.
@@ -122,11 +122,11 @@ bool with_head_dim(int64_t D, F&& f) {
 template <typename scalar_t>
 void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar_t* k,
                        const scalar_t* v, const int64_t* tables, const int64_t* rows, const int64_t* lens, int64_t B,
-                       int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+                       int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride) {
 #ifdef PAGODA_BF16_DECODE
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (with_head_dim(D, [&](auto d) {
-          decode_kernel_bf16<d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+          decode_kernel_bf16<d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale, q_stride);
         }))
       return;
   }
@@ -134,13 +134,13 @@ void dispatch_head_dim(int64_t D, scalar_t* out, const scalar_t* q, const scalar
 #ifdef PAGODA_F32_AVX2_DECODE
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (with_head_dim(D, [&](auto d) {
-          decode_kernel_f32_avx2<d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+          decode_kernel_f32_avx2<d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale, q_stride);
         }))
       return;
   }
 #endif
   const bool done = with_head_dim(D, [&](auto d) {
-    decode_kernel<scalar_t, d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale);
+    decode_kernel<scalar_t, d.value>(out, q, k, v, tables, rows, lens, B, H, KVH, BS, MB, scale, q_stride);
   });
   TORCH_CHECK(done, "head_dim must be 32, 64, 128 or 256, got ", D);
 }
@@ -152,12 +152,15 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                             torch::Tensor table_rows, torch::Tensor seq_lens, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MB = block_tables.size(1);
+  // Query rows may be strided (views of a fused qkv projection); heads packed.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.is_contiguous() && out.sizes() == q.sizes(),
+              "paged_decode_attention: q's heads must be packed and out contiguous, of q's shape");
   const int64_t* rows = table_rows.numel() ? table_rows.data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     dispatch_head_dim<scalar_t>(D, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
                                 k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                 block_tables.data_ptr<int64_t>(), rows, seq_lens.data_ptr<int64_t>(),
-                                B, H, KVH, BS, MB, static_cast<float>(scale));
+                                B, H, KVH, BS, MB, static_cast<float>(scale), q.stride(0));
   });
 }
 
@@ -209,8 +212,8 @@ torch::Tensor write_kv_decode_attention(torch::Tensor q, torch::Tensor k, torch:
     std::memcpy(kc + slot[b] * row_bytes, kp + b * k_stride, row_bytes);
     std::memcpy(vc + slot[b] * row_bytes, vp + b * v_stride, row_bytes);
   }
-  q = q.contiguous();
-  auto out = torch::empty_like(q);
+  if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();
+  auto out = torch::empty(q.sizes(), q.options());
   paged_decode_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
                          torch::empty({0}, slots.options()), seq_lens.contiguous(), scale);
   return out;

@@ -42,24 +42,6 @@ inline __m512 sum_lanes_x16(const __m512* v) {
                        _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), Cephes' expf
-// polynomial, within 2 ulp of expf; underflows to 0 below -87.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __m512 bf16x16_to_f32(const uint16_t* src) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -142,7 +124,7 @@ void decode_kernel_bf16(
     const int64_t* __restrict__ tables,
     const int64_t* __restrict__ rows,
     const int64_t* __restrict__ lens,
-    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int NQ = D / 32;  // bf16 vectors per row
   constexpr int NF = D / 16;  // float vectors per row
@@ -190,7 +172,7 @@ void decode_kernel_bf16(
       }
       // Pass 1: scores = (q . k) * scale, 16 positions at a time.
       for (int64_t g = 0; g < G; ++g) {
-        const uint16_t* qg = q + (b * H + h * G + g) * D;
+        const uint16_t* qg = q + b * q_stride + (h * G + g) * D;
         __m512bh qv[NQ];
         for (int c = 0; c < NQ; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
         float* sg = &scores[g * padded];
@@ -228,7 +210,7 @@ void decode_kernel_bf16(
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < padded; t += 16) {
-          __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+          __m512 e = exp_x16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
           if (t == padded - 16) e = _mm512_maskz_mov_ps(tail, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(&probs[g * padded + t]),
                               (__m256i)_mm512_cvtneps_pbh(e));
@@ -272,7 +254,7 @@ inline __m256 sum_lanes_x8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// exp(x) for x <= 0, as exp_nonpositive: Cephes' expf polynomial times 2^n.
+// exp(x) for x <= 0, as exp_x16 (common.h): Cephes' expf polynomial times 2^n.
 inline __m256 exp_nonpositive_x8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -325,7 +307,7 @@ void decode_kernel_f32_avx2(
     const int64_t* __restrict__ tables,
     const int64_t* __restrict__ rows,
     const int64_t* __restrict__ lens,
-    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int NF = D / 8;  // vectors per row
   const int64_t G = H / KVH;
@@ -369,7 +351,7 @@ void decode_kernel_f32_avx2(
           }
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t g = 0; g < G; ++g) {
-            const float* qg = q + (b * H + h * G + g) * D;
+            const float* qg = q + b * q_stride + (h * G + g) * D;
             // Past len, a lane repeats the tile's first position (masked later).
             __m256 part[8];
             for (int j = 0; j < 8; ++j) {

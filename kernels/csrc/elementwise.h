@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -43,7 +44,7 @@ void add_rms_norm_kernel(typename S::T* __restrict__ x, typename S::T* __restric
   });
 }
 
-// exp(x) as Cephes' expf (the polynomial of exp_nonpositive in attention.h), written
+// exp(x) as Cephes' expf (the polynomial of exp_x16 in common.h), written
 // in scalar code that vectorizes under omp simd; within 2 ulp of expf.
 inline float exp_simd(float x) {
   x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
@@ -63,6 +64,31 @@ inline float exp_simd(float x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PAGODA_SILU_MUL_BF16 1
+// silu(g) * u for 16 bfloat16 values (widened to float32), rounded where
+// torch's unfused ops round: silu(g), then the product. silu_and_mul and the
+// pairs kernel's fused form (linear_bf16.h) both compute it here.
+inline __m256i silu_mul_x16(__m512 g, __m512 u) {
+  const __m512 e = exp_x16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(act)), u));
+}
+
+// bfloat16 rounded to the nearest even (as a float32 -> bfloat16 cast), back in float32.
+inline __m512 round_bf16_x16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+
+inline void silu_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
+    const auto widen = [&](const uint16_t* p) {
+      return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p + i));
+    };
+    _mm256_mask_storeu_epi16(out + i, m, silu_mul_x16(widen(g), widen(u)));
+  }
+}
+#endif
+
 template <typename S>
 void silu_and_mul_kernel(typename S::T* __restrict__ out, const typename S::T* __restrict__ gate_up,
                          int64_t rows, int64_t inter) {
@@ -73,6 +99,12 @@ void silu_and_mul_kernel(typename S::T* __restrict__ out, const typename S::T* _
       const T* __restrict__ g = gate_up + row * 2 * inter;
       const T* __restrict__ u = g + inter;
       T* __restrict__ o = out + row * inter;
+#ifdef PAGODA_SILU_MUL_BF16
+      if constexpr (std::is_same_v<S, BFloat16Bits>) {
+        silu_mul_bf16(g, u, o, inter);
+        continue;
+      }
+#endif
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
         const float gf = S::load(g[i]);

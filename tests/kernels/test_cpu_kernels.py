@@ -86,6 +86,31 @@ def test_paged_decode_attention_matches_reference(
 
 
 @needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_paged_decode_attention_reads_strided_rows_and_writes_out(dtype: torch.dtype) -> None:
+    """Query rows as views of a wider projection row are read in place, and
+    `out` is written in place: the same values as from a contiguous copy."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim = 6, 2, 64
+    q, kc, vc, tables, seq_lens, _ = make_paged(
+        [1, 17, 40, 200], heads, kv_heads, head_dim, 16, dtype, gen
+    )
+    wide = torch.randn(q.shape[0], (heads + 3) * head_dim, generator=gen).to(dtype)
+    wide[:, head_dim : (heads + 1) * head_dim] = q.flatten(1)
+    strided = wide[:, head_dim : (heads + 1) * head_dim].view(-1, heads, head_dim)
+    assert not strided.is_contiguous()
+    ref = cpu_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    assert torch.equal(
+        cpu_ops.paged_decode_attention(strided, kc, vc, tables, seq_lens, 0.125), ref
+    )
+    out = torch.full((q.shape[0] + 2, heads, head_dim), 7.0, dtype=dtype)
+    cpu_ops.paged_decode_attention(strided, kc, vc, tables, seq_lens, 0.125, out=out[1:-1])
+    assert torch.equal(out[1:-1], ref) and bool((out[0] == 7).all() and (out[-1] == 7).all())
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125, out=out[:2])
+
+
+@needs_compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 5])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -282,6 +307,71 @@ def test_bf16_pairs_kernel_is_float32_product_rounded_once(
     sums = cpu_ops.linear_bf16_pairs(x, packed, outs, b, float_out=True)
     assert sums.dtype == torch.float32 and torch.equal(sums.bfloat16(), out)
     assert torch.allclose(sums.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_pairs
+@pytest.mark.parametrize("shape", [(1536, 576), (50, 33), (24, 8), (7, 5), (17, 9)])
+@pytest.mark.parametrize("rows", [1, 9, 64, 130])
+def test_bf16_pairs_gated_forms_equal_the_plain_projection(
+    shape: tuple[int, int], rows: int
+) -> None:
+    """gate|up packed with glu=True (24 units' gate and up columns a tile,
+    the last tile partial): GLU_CONCAT gives exactly the plain projection,
+    GLU_SILU_MUL exactly silu_and_mul of it (the one compiled arithmetic),
+    which is torch's unfused silu(gate) * up almost everywhere."""
+    units, ins = shape
+    gen = torch.Generator().manual_seed(units + rows)
+    w = torch.randn(2 * units, ins, generator=gen).bfloat16()
+    x = torch.randn(rows, ins + 3, generator=gen).bfloat16()[:, 1 : 1 + ins]
+    plain = cpu_ops.linear_bf16_pairs(x, cpu_ops.pack_bf16_pairs(w), 2 * units)
+    packed = cpu_ops.pack_bf16_pairs(w, glu=True)
+    assert packed.shape == (-(-units // 24), (ins + 1) // 2, 48, 2)
+    assert torch.equal(
+        cpu_ops.linear_bf16_pairs(x, packed, 2 * units, glu=cpu_ops.GLU_CONCAT), plain
+    )
+    act = cpu_ops.linear_bf16_pairs(x, packed, 2 * units, glu=cpu_ops.GLU_SILU_MUL)
+    assert act.shape == (rows, units) and torch.equal(act, cpu_ops.silu_and_mul(plain))
+    gate, up = plain.chunk(2, dim=-1)
+    # torch's exp now and then rounds silu one step apart, which the product
+    # can carry to two steps.
+    ref = F.silu(gate) * up
+    assert ((act.float() - ref.float()).abs() <= ref.float().abs() * 2**-6 + 1e-6).all()
+    assert int((act != ref).sum()) <= max(1, act.numel() // 200)
+
+
+@needs_pairs
+def test_linear_gate_up_fuses_silu_and_mul() -> None:
+    from kernels.linear import Linear
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(2 * 100, 64, generator=gen).bfloat16()
+    x = torch.randn(16, 64, generator=gen).bfloat16()
+    fused = Linear(w, glu=True)
+    assert fused.glu and fused.float32_sums(x) is None
+    assert torch.equal(fused(x), Linear(w)(x))
+    act = fused.silu_and_mul(x)
+    assert act is not None and torch.equal(act, cpu_ops.silu_and_mul(fused(x)))
+    assert Linear(w).silu_and_mul(x) is None  # not packed for it
+    # A bias keeps the plain layout (the gated forms take none).
+    biased = Linear(w, torch.zeros(200).bfloat16(), glu=True)
+    assert not biased.glu and biased.silu_and_mul(x) is None
+
+
+@needs_pairs
+def test_bf16_pairs_gated_forms_check_their_inputs() -> None:
+    w = torch.randn(2 * 30, 8).bfloat16()
+    glu = cpu_ops.pack_bf16_pairs(w, glu=True)
+    x = torch.randn(2, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="gated forms"):
+        cpu_ops.linear_bf16_pairs(x, glu, 60, torch.zeros(60), glu=cpu_ops.GLU_SILU_MUL)
+    with pytest.raises(RuntimeError, match="gated forms"):
+        cpu_ops.linear_bf16_pairs(x, glu, 60, float_out=True, glu=cpu_ops.GLU_CONCAT)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.linear_bf16_pairs(x, glu, 120, glu=cpu_ops.GLU_SILU_MUL)
+    with pytest.raises(RuntimeError, match="glu must be"):
+        cpu_ops.linear_bf16_pairs(x, glu, 60, glu=3)
+    with pytest.raises(ValueError, match="even number"):
+        cpu_ops.pack_bf16_pairs(w[:59], glu=True)
 
 
 @needs_pairs
