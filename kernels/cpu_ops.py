@@ -124,6 +124,14 @@ def _run(ops: ModuleType, name: str, *args: Any) -> Any:
         return fn(*args)
 
 
+def _required_ops() -> ModuleType:
+    """The compiled module, for a launcher that has no torch fallback."""
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError("compiled CPU kernels are not available")
+    return ops
+
+
 def load_cpu_ops() -> ModuleType | None:
     """The compiled module, or None when it cannot be built here."""
     global _module, _failed
@@ -176,9 +184,7 @@ def paged_decode_attention(
     grow by one (causal). Query rows may be strided (views of a fused qkv
     projection); the result goes to `out` when given, else to a new tensor.
     """
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("expected query [B, H, D] and caches [NB, BS, KVH, D]")
     batch, heads, head_dim = query.shape
@@ -238,9 +244,7 @@ def write_kv_decode_attention(
     """A decode step's attention in one compiled call: store the step's keys
     and values at their slots, then paged_decode_attention. The checks are
     the kernel's (RuntimeError)."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     return _run(
         ops,
         "write_kv_decode_attention",
@@ -272,9 +276,7 @@ def qkv_decode_attention(
     """rotary_embedding on qkv's q and k in place, then write_kv_decode_attention:
     a decode step's attention from the fused projection in one compiled call
     → [batch, heads, head_dim]. The checks are the kernel's (RuntimeError)."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     return _run(
         ops,
         "qkv_decode_attention",
@@ -305,9 +307,7 @@ def fused_add_rms_norm(
     eps: float,
 ) -> None:
     """Launcher: residual += x; x = rms_norm(residual) * weight, in place."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     if x.shape != residual.shape or x.shape[-1] != weight.shape[0] or weight.dim() != 1:
         raise ValueError("expected x and residual [num_tokens, hidden] and weight [hidden]")
     if not (x.dtype == residual.dtype == weight.dtype):
@@ -319,9 +319,7 @@ def fused_add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Launcher: [num_tokens, 2 * inter] → silu(gate) * up, [num_tokens, inter]."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 != 0:
         raise ValueError("expected gate_up [num_tokens, 2 * inter]")
     if not gate_up.is_contiguous():
@@ -340,9 +338,7 @@ def rotary_embedding(
 ) -> None:
     """Launcher: neox-style rotary embedding in place. query and key may be
     views into one fused qkv projection (rows of any stride, heads packed)."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     if query.dim() != 3 or key.dim() != 3 or query.shape[0] != key.shape[0]:
         raise ValueError("expected query [T, heads, d] and key [T, kv_heads, d]")
     head_dim = query.shape[2]
@@ -373,9 +369,7 @@ def refine_leading_logits(
 ) -> None:
     """Launcher: each row's logits within one rounding step of its maximum,
     recomputed in float32 (LlamaModel.compute_logits has the torch form)."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     if logits.dtype != torch.float32 or not hidden.dtype == weight.dtype == torch.bfloat16:
         raise ValueError("expected float32 logits and bfloat16 hidden and weight")
     if not (logits.is_contiguous() and hidden.is_contiguous() and weight.is_contiguous()):
@@ -408,9 +402,7 @@ def linear_small_rows(
     """Launcher: x W^T (+ b) for a few rows, streaming W from memory once
     (kernels/linear.Linear picks it for small batches). The compiled op
     checks shapes, dtypes and layout."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
     return _run(ops, "linear_small_rows", x, weight, bias)
@@ -426,9 +418,7 @@ def linear_q4_small_rows(
     """Launcher: x W^T (+ b) for a few rows with W = q * scale + offset
     rebuilt from 4-bit codes as it streams (kernels/linear.BlockWeight). The
     compiled op checks shapes, dtypes and layout."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
     return _run(ops, "linear_q4_small_rows", x, codes, scale, offset, bias)
@@ -442,9 +432,7 @@ def linear_q8_small_rows(
 ) -> torch.Tensor:
     """Launcher: x W^T (+ b) for a few rows with W = q * scale rebuilt from
     8-bit codes as it streams (kernels/linear.BlockWeight)."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     if x.dim() == 2 and x.stride(-1) != 1:
         x = x.contiguous()
     return _run(ops, "linear_q8_small_rows", x, codes, scale, bias)
@@ -508,7 +496,5 @@ def linear_bf16_pairs(
     [rows, outs], GLU_SILU_MUL silu(gate) * up [rows, outs / 2], rounded as
     silu_and_mul of the former. The compiled op checks shapes, dtypes and
     layout."""
-    ops = load_cpu_ops()
-    if ops is None:
-        raise RuntimeError("compiled CPU kernels are not available")
+    ops = _required_ops()
     return _run(ops, "linear_bf16_pairs", x, packed, outs, bias, float_out, glu)
