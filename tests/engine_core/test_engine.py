@@ -188,3 +188,16 @@ def test_prompt_step_runs_the_last_layer_on_sampled_rows_only(
         for a, b in zip(plain.logprobs, full.logprobs, strict=True):
             assert a.token_ids == b.token_ids
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_padded_table_pads_rows_of_lists_and_tensors_alike() -> None:
+    import torch
+
+    from engine_core.model_runner import _padded_table
+
+    rows = [[3, 1, 4], [1], [], [5, 9]]
+    expected = torch.tensor([[3, 1, 4], [1, 0, 0], [0, 0, 0], [5, 9, 0]])
+    assert torch.equal(_padded_table(rows), expected)
+    mixed = [torch.tensor(r, dtype=torch.long) for r in rows[:2]] + rows[2:]
+    assert torch.equal(_padded_table(mixed), expected)
+    assert _padded_table([]).shape == (0, 0) and _padded_table([[]]).shape == (1, 0)
