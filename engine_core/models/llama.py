@@ -269,8 +269,14 @@ class LlamaModel:
         if not self.fused:
             cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
             sin = self.rope_sin[positions][:, None, :]
-        residual = hidden
-        x = self._rms_norm(residual, self.layers[0].input_layernorm)
+        if self.fused:  # the fused kernel from a zero residual: residual = hidden, x = its norm
+            residual, x = torch.zeros_like(hidden), hidden
+            cpu_ops.fused_add_rms_norm(
+                x, residual, self.layers[0].input_layernorm, self.config.rms_norm_eps
+            )
+        else:
+            residual = hidden
+            x = self._rms_norm(residual, self.layers[0].input_layernorm)
         last = len(self.layers) - 1
         # A decode-only step goes from the fused qkv projection to attention
         # in one compiled call a layer (rotary, cache write, attention).
