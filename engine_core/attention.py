@@ -106,7 +106,10 @@ def paged_attention(
             meta.decode_seq_lens,
             scale,
         )
-    write_kv(key, value.contiguous(), k_cache, v_cache, meta.slot_mapping)
+    if meta.compiled_decode:  # the compiled write reads k and v in place
+        cpu_ops.write_kv_slots(key, value, k_cache, v_cache, meta.slot_mapping)
+    else:
+        write_kv(key, value.contiguous(), k_cache, v_cache, meta.slot_mapping)
     out = query.new_empty(query.shape)  # contiguous, whatever query's row stride
     if nd and meta.compiled_decode:
         cpu_ops.paged_decode_attention(

@@ -230,6 +230,19 @@ def paged_decode_attention(
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 
 
+def write_kv_slots(
+    key: torch.Tensor,  # [tokens, kv_heads, head_dim], rows of any stride (views of qkv)
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [tokens] int64: each key's cache slot
+) -> None:
+    """reshape_and_cache: store the step's keys and values at their slots,
+    every slot checked before anything is written. The checks are the
+    kernel's (RuntimeError)."""
+    _run(_required_ops(), "write_kv_slots", key, value, k_cache, v_cache, slot_mapping)
+
+
 def write_kv_decode_attention(
     query: torch.Tensor,  # [batch, heads, head_dim]
     key: torch.Tensor,  # [batch, kv_heads, head_dim], rows of any stride (views of qkv)

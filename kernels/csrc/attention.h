@@ -172,6 +172,43 @@ bool has_bf16_attention() {
 #endif
 }
 
+// Stores a step's keys and values (rows of any row stride, heads packed)
+// at their cache slots, every slot checked before anything is written.
+// reshape_and_cache: one memcpy per row and cache, over both threads.
+void write_kv_slots(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache,
+                    torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4,
+              "expected k and v [T, KVH, D], caches [NB, BS, KVH, D]");
+  const int64_t T = k.size(0), KVH = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(1) == KVH && k.size(2) == D,
+              "k and v do not match the caches");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous and of one shape");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
+              "k and v rows must be packed heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == T, "slots must be int64, one per row");
+  slots = slots.contiguous();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " is outside the cache");
+  const int64_t row_bytes = KVH * D * k_cache.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot[t] * row_bytes, kp + t * k_stride, row_bytes);
+      std::memcpy(vc + slot[t] * row_bytes, vp + t * v_stride, row_bytes);
+    }
+  });
+}
+
 // A decode step's attention in one call: the step's keys and values (rows of
 // the fused qkv projection, any row stride) are stored at their cache slots,
 // then each query row attends over its block table row. Saves the several
@@ -180,38 +217,16 @@ torch::Tensor write_kv_decode_attention(torch::Tensor q, torch::Tensor k, torch:
                                         torch::Tensor k_cache, torch::Tensor v_cache,
                                         torch::Tensor slots, torch::Tensor block_tables,
                                         torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4,
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k_cache.dim() == 4,
               "expected q [B, H, D], k and v [B, KVH, D], caches [NB, BS, KVH, D]");
   const int64_t B = q.size(0), KVH = k_cache.size(2), D = k_cache.size(3);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(1) == KVH && k.size(2) == D &&
-                  v.sizes() == k.sizes() && q.size(2) == D && q.size(1) % KVH == 0,
-              "q, k and v do not match the caches");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous and of one shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
-                  v.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q, k, v and the caches must share a dtype");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
-              "k and v rows must be packed heads");
+  TORCH_CHECK(k.size(0) == B && q.size(2) == D && q.size(1) % KVH == 0 && q.scalar_type() == k_cache.scalar_type(),
+              "q does not match k and the caches");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B && seq_lens.scalar_type() == at::kLong &&
                   seq_lens.numel() == B && block_tables.scalar_type() == at::kLong &&
                   block_tables.dim() == 2 && block_tables.size(0) == B,
               "slots, seq_lens and block tables must be int64, one row per query");
-  slots = slots.contiguous();
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t row_bytes = KVH * D * k_cache.element_size();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const auto* kp = static_cast<const char*>(k.data_ptr());
-  const auto* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < capacity, "slot ", slot[b], " is outside the cache");
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(kc + slot[b] * row_bytes, kp + b * k_stride, row_bytes);
-    std::memcpy(vc + slot[b] * row_bytes, vp + b * v_stride, row_bytes);
-  }
+  write_kv_slots(k, v, k_cache, v_cache, slots);
   if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();
   auto out = torch::empty(q.sizes(), q.options());
   paged_decode_attention(out, q, k_cache, v_cache, block_tables.contiguous(),

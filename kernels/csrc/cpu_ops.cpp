@@ -46,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "recompute each row's near-maximal logits in float32, in place (CPU, bfloat16)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "attention of one query row per entry over its block table row (CPU)");
+  m.def("write_kv_slots", &write_kv_slots,
+        "store a step's keys and values at their cache slots, each slot checked first (CPU)");
   m.def("write_kv_decode_attention", &write_kv_decode_attention,
         "store a decode step's keys and values at their slots, then paged attention (CPU)");
   m.def("qkv_decode_attention", &qkv_decode_attention,

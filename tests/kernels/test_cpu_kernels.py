@@ -144,6 +144,31 @@ def test_prompt_rows_match_causal_reference(dtype: torch.dtype, group: int, head
 
 
 @needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_write_kv_slots_is_index_copy(dtype: torch.dtype, tokens: int) -> None:
+    """A prompt's keys and values, strided views of a fused qkv row, stored at
+    their slots exactly as index_copy_ stores them; one bad slot and nothing
+    is written."""
+    gen = torch.Generator().manual_seed(tokens)
+    kc, vc = torch.zeros(2, 40, 16, 2, 64, dtype=dtype)
+    qkv = torch.randn(tokens, (6 + 2 * 2) * 64, generator=gen).to(dtype)
+    _, k, v = (t.view(tokens, -1, 64) for t in qkv.split([6 * 64, 2 * 64, 2 * 64], -1))
+    slots = torch.randperm(40 * 16, generator=gen)[:tokens]
+    kc2, vc2 = kc.clone(), vc.clone()
+    cpu_ops.write_kv_slots(k, v, kc, vc, slots)
+    write_kv(k, v.contiguous(), kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    bad = slots.clone()
+    bad[-1] = -1
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.write_kv_slots(k * 2, v * 2, kc, vc, bad)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    with pytest.raises(RuntimeError, match="one per row"):
+        cpu_ops.write_kv_slots(k, v, kc, vc, slots[:-1] if tokens > 1 else slots[:0])
+
+
+@needs_compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_decode_attention_is_write_then_attend(dtype: torch.dtype) -> None:
     """The one-call decode paths store k and v (strided views of a fused qkv
