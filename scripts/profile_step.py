@@ -1,0 +1,104 @@
+"""Where an engine step's time goes: every compiled CPU op timed inside the step.
+
+Runs W1's prompts (random token ids, seed 0) through `LLM.generate` in this
+process and times each call into the compiled ops (`kernels.cpu_ops._run`,
+their one entry point) during the chosen steps, linears told apart by
+their output width (gate|up with SiLU fused shows as ":glu2"). Prints the
+mean step time, each op's time per step and per call, and what is left
+outside the ops (scheduling, input preparation, Python between calls).
+
+    python scripts/profile_step.py --num-prompts 64 --steps 40:80   # decode, batch 64
+    python scripts/profile_step.py --num-prompts 16 --steps 1:2     # one 2,048-token prompt step
+
+Step 1 is the first step of the measured prompts (a warm-up request runs
+before them); with --max-num-batched-tokens 4096 (the default here, as in
+bench_throughput.py) 16 prompts of 128 tokens are prefilled in step 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=100)
+    parser.add_argument("--steps", default="40:80", help="START:STOP, the steps timed")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    args = parser.parse_args()
+    start, stop = (int(s) for s in args.steps.split(":"))
+    if not 1 <= start < stop:
+        parser.error("--steps must be START:STOP with 1 <= START < STOP")
+
+    from frontend import LLM, SamplingParams
+    from kernels import cpu_ops
+
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(100, 49152) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+    ]
+    llm = LLM(
+        dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    warmup = SamplingParams(temperature=0, max_tokens=4)
+    llm.generate([list(reversed(prompts[0]))], warmup, use_tqdm=False)
+
+    spent: defaultdict[str, float] = defaultdict(float)
+    calls: Counter[str] = Counter()
+    timing = {"on": False, "steps": 0, "step_s": 0.0, "n": 0}
+    run = cpu_ops._run
+
+    def timed_run(ops: Any, name: str, *op_args: Any) -> Any:
+        if not timing["on"]:
+            return run(ops, name, *op_args)
+        t0 = time.perf_counter()
+        out = run(ops, name, *op_args)
+        key = name
+        if name == "linear_bf16_pairs":  # (x, packed, outs, bias, float_out, glu)
+            key += f":{op_args[2]}" + (f":glu{op_args[5]}" if op_args[5] else "")
+        spent[key] += time.perf_counter() - t0
+        calls[key] += 1
+        return out
+
+    cpu_ops._run = timed_run  # type: ignore[assignment]
+    engine = llm.engine
+    step = engine.step
+
+    def timed_step() -> Any:
+        timing["n"] += 1
+        timing["on"] = start <= timing["n"] < stop
+        t0 = time.perf_counter()
+        out = step()
+        if timing["on"]:
+            timing["step_s"] += time.perf_counter() - t0
+            timing["steps"] += 1
+        timing["on"] = False
+        return out
+
+    engine.step = timed_step
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    steps = timing["steps"]
+    if not steps:
+        raise SystemExit(f"no step in {args.steps}: the run took {timing['n']} steps")
+    step_ms = 1e3 * timing["step_s"] / steps
+    print(
+        f"{steps} steps timed ({args.steps}), {args.num_prompts} prompts: {step_ms:.2f} ms a step"
+    )
+    for key in sorted(spent, key=lambda k: -spent[k]):
+        per_step, per_call = 1e3 * spent[key] / steps, 1e6 * spent[key] / calls[key]
+        print(f"  {key:36s} {per_step:9.3f} ms/step {per_call:10.1f} us/call")
+    outside = step_ms - 1e3 * sum(spent.values()) / steps
+    print(f"  {'outside the compiled ops':36s} {outside:9.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
