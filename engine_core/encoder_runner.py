@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from engine_core.config import EngineConfig
+from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from engine_core.model_config import ModelConfig, default_pooler
 from engine_core.model_runner import resolve_device, resolve_dtype
 from engine_core.models.bert import BertModel, load_encoder_weights
@@ -41,8 +41,9 @@ class EncoderRunner:
     def allocate_kv_cache(self) -> int:
         """No cache: as many (empty) blocks as one full step can use."""
         bs = self.config.block_size
+        budget = self.config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         # Each request wastes at most one partial block.
-        return -(-self.config.max_num_batched_tokens // bs) + self.config.max_num_seqs
+        return -(-budget // bs) + self.config.max_num_seqs
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> StepResult:

@@ -11,11 +11,11 @@ import logging
 import time
 import uuid
 from concurrent.futures import wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from engine_core.block_manager import BlockManager
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, default_max_num_batched_tokens
 from engine_core.engine_utilities import EngineUtilities
 from engine_core.executor import InProcessExecutor
 from engine_core.lora_manager import LoRAManager, LoRARunner
@@ -62,6 +62,14 @@ class EngineCore(EngineUtilities):
         model_path = resolve_model_path(config.model)
         self.model_config: ModelConfig = load_model_config(model_path)
         tasks = supported_tasks(self.model_config, config.runner)
+        budget = config.max_num_batched_tokens
+        if budget is None:
+            from engine_core.model_runner import resolve_device
+
+            device = resolve_device(config.device).type
+            budget = default_max_num_batched_tokens("generate" not in tasks, device)
+            self.config = config = replace(config, max_num_batched_tokens=budget)
+        self.max_num_batched_tokens: int = budget
         self.executor = InProcessExecutor(config, self.model_config)
         num_blocks = self.executor.initialize_kv_cache()
         max_model_len = self._max_model_len(num_blocks, pooling_only="generate" not in tasks)
@@ -71,7 +79,7 @@ class EngineCore(EngineUtilities):
         self.scheduler = Scheduler(
             BlockManager(num_blocks, config.block_size, prefix_caching),
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
             lora_slots=self.lora.slots if self.lora is not None else None,
         )
@@ -129,7 +137,7 @@ class EngineCore(EngineUtilities):
         limit = self.model_config.max_position_embeddings
         if pooling_only:
             # Pooling prompts are computed whole in one step, never chunked.
-            capacity = min(capacity, self.config.max_num_batched_tokens)
+            capacity = min(capacity, self.max_num_batched_tokens)
             encoder = self.model_config.encoder
             if encoder is not None and encoder.max_seq_length and self.config.max_model_len is None:
                 limit = min(limit, encoder.max_seq_length)  # sentence-transformers' limit

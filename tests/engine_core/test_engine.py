@@ -201,3 +201,17 @@ def test_padded_table_pads_rows_of_lists_and_tensors_alike() -> None:
     mixed = [torch.tensor(r, dtype=torch.long) for r in rows[:2]] + rows[2:]
     assert torch.equal(_padded_table(mixed), expected)
     assert _padded_table([]).shape == (0, 0) and _padded_table([[]]).shape == (1, 0)
+
+
+def test_step_budget_default_is_small_for_cpu_generation() -> None:
+    """No --max-num-batched-tokens: 512 tokens a step for a decoder generating
+    on the CPU (prompts arriving mid-stream wait one short step), 2048 where a
+    pooling model's whole prompt must fit one step, or on a GPU."""
+    from engine_core.config import EngineConfig, default_max_num_batched_tokens
+
+    assert default_max_num_batched_tokens(False, "cpu") == 512
+    assert default_max_num_batched_tokens(True, "cpu") == 2048
+    assert default_max_num_batched_tokens(False, "cuda") == 2048
+    assert EngineConfig().max_num_batched_tokens is None  # resolved by EngineCore
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig(max_num_batched_tokens=0)

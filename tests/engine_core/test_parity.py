@@ -74,12 +74,15 @@ class ParityCase:
 
 
 def engine_config(model: str | None, **overrides: object) -> EngineConfig:
-    """float32, blocks of 16 and a modest KV budget unless overridden."""
+    """float32, blocks of 16, 2,048 tokens a step and a modest KV budget unless overridden."""
     settings: dict[str, object] = dict(
         model=model,
         dtype="float32",
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=64 << 20,
+        # A fixed step budget (the default depends on the device), so that the
+        # steps these tests look into are the same everywhere.
+        max_num_batched_tokens=2048,
         num_threads=NUM_THREADS,
     )
     settings.update(overrides)
