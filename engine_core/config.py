@@ -84,15 +84,16 @@ class EngineConfig:
 
 # Per-step token budgets when none is given. A pooling model computes each
 # prompt whole in one step, so its budget also caps the prompt length. A
-# decoder generating on the CPU gets small steps: at 512 tokens the linears
-# are already at the arithmetic peak (the weights are read once per step,
-# ~10 ms against ~270 ms of arithmetic), and prompts arriving while others
-# decode get their first token after one such step rather than after a
-# 2,048-token one. Measured with the default model, 128-token prompts, 64
-# concurrent (docs/benchmarks.md): TTFT median 2.5 s -> 1.0 s at the same
-# output throughput; ITL p99 1.2 s -> 0.3 s.
+# decoder generating on the CPU gets smaller steps: at 1,024 tokens the
+# linears are at the arithmetic peak (the weights are read once per step,
+# ~10 ms against ~540 ms of arithmetic), and prompts arriving while others
+# decode wait for a step half as long. Measured with the default model,
+# 128-token prompts (docs/benchmarks.md): TTFT median at 64 concurrent 2.5 ->
+# 1.35 s, at 16 1.25 -> 0.65 s, output throughput unchanged. 512 halves the
+# 64-concurrent TTFT again but costs ~10% of the 16-concurrent throughput
+# (more, smaller prompt chunks among the decodes).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-CPU_GENERATE_MAX_NUM_BATCHED_TOKENS = 512
+CPU_GENERATE_MAX_NUM_BATCHED_TOKENS = 1024
 
 
 def default_max_num_batched_tokens(pooling_only: bool, device_type: str) -> int:
