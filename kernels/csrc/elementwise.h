@@ -66,17 +66,17 @@ inline float exp_simd(float x) {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PAGODA_SILU_MUL_BF16 1
+// bfloat16 rounded to the nearest even (as a float32 -> bfloat16 cast), back in float32.
+inline __m512 round_bf16_x16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+
 // silu(g) * u for 16 bfloat16 values (widened to float32), rounded where
 // torch's unfused ops round: silu(g), then the product. silu_and_mul and the
 // pairs kernel's fused form (linear_bf16.h) both compute it here.
 inline __m256i silu_mul_x16(__m512 g, __m512 u) {
   const __m512 e = exp_x16(_mm512_sub_ps(_mm512_setzero_ps(), g));
   const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(act)), u));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16_x16(act), u));
 }
-
-// bfloat16 rounded to the nearest even (as a float32 -> bfloat16 cast), back in float32.
-inline __m512 round_bf16_x16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
 
 inline void silu_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
