@@ -50,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens a step may schedule, decode rows and prompt chunks together "
-        "(default: 1024 for a model generating on the CPU, else 2048)",
+        "(default: 512 for a model generating on the CPU, else 2048)",
     )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

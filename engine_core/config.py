@@ -84,16 +84,18 @@ class EngineConfig:
 
 # Per-step token budgets when none is given. A pooling model computes each
 # prompt whole in one step, so its budget also caps the prompt length. A
-# decoder generating on the CPU gets smaller steps: at 1,024 tokens the
-# linears are at the arithmetic peak (the weights are read once per step,
-# ~10 ms against ~540 ms of arithmetic), and prompts arriving while others
-# decode wait for a step half as long. Measured with the default model,
-# 128-token prompts (docs/benchmarks.md): TTFT median at 64 concurrent 2.5 ->
-# 1.35 s, at 16 1.25 -> 0.65 s, output throughput unchanged. 512 halves the
-# 64-concurrent TTFT again but costs ~10% of the 16-concurrent throughput
-# (more, smaller prompt chunks among the decodes).
+# decoder generating on the CPU gets smaller steps: at 512 tokens the
+# linears are still at the arithmetic peak (the weights are read once per
+# step, ~10 ms against ~270 ms of arithmetic), and prompts arriving while
+# others decode wait for a step a quarter as long. The total arithmetic does
+# not depend on the budget, only how prompts are cut among the decodes.
+# Measured with the default model, 128-token prompts, alternating servers
+# (docs/benchmarks.md): TTFT median at 64 concurrent 2.5 s (2,048) -> 1.35 s
+# (1,024) -> 1.0 s (512), at 16 1.25 -> 0.7 -> 0.55 s, output throughput the
+# same within the host's noise. 768 gave no TTFT gain over 1,024 (the waves
+# of 64 requests split unevenly); 256 lost output to per-step costs.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-CPU_GENERATE_MAX_NUM_BATCHED_TOKENS = 1024
+CPU_GENERATE_MAX_NUM_BATCHED_TOKENS = 512
 
 
 def default_max_num_batched_tokens(pooling_only: bool, device_type: str) -> int:

@@ -204,12 +204,12 @@ def test_padded_table_pads_rows_of_lists_and_tensors_alike() -> None:
 
 
 def test_step_budget_default_is_small_for_cpu_generation() -> None:
-    """No --max-num-batched-tokens: 1024 tokens a step for a decoder generating
+    """No --max-num-batched-tokens: 512 tokens a step for a decoder generating
     on the CPU (prompts arriving mid-stream wait one short step), 2048 where a
     pooling model's whole prompt must fit one step, or on a GPU."""
     from engine_core.config import EngineConfig, default_max_num_batched_tokens
 
-    assert default_max_num_batched_tokens(False, "cpu") == 1024
+    assert default_max_num_batched_tokens(False, "cpu") == 512
     assert default_max_num_batched_tokens(True, "cpu") == 2048
     assert default_max_num_batched_tokens(False, "cuda") == 2048
     assert EngineConfig().max_num_batched_tokens is None  # resolved by EngineCore
