@@ -169,6 +169,8 @@ class FrontendMetrics:
             )
             for phase in ("queue", "prefill", "decode", "inference")
         }
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
         if self.multiprocess_dir:
             from prometheus_client import multiprocess
 
@@ -185,10 +187,10 @@ class FrontendMetrics:
         self.phases["inference"].labels(m).observe(timings.prefill_s + timings.decode_s)
 
     def observe_first_token(self, seconds: float) -> None:
-        self.ttft.labels(self.model_name).observe(seconds)
+        self._ttft.observe(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
-        self.itl.labels(self.model_name).observe(seconds)
+        self._itl.observe(seconds)  # once per streamed token: the child bound once
 
     def observe_finished(
         self, seconds: float, num_prompt: int, num_generated: int, finish_reasons: list[str]

@@ -189,6 +189,17 @@ async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Interleave several async iterators as items arrive: (stream index, item)."""
+    if len(streams) == 1:
+        # One prompt, the usual case: no relay task and queue hop per token.
+        stream = streams[0]
+        try:
+            async for item in stream:
+                yield 0, item
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
