@@ -21,6 +21,32 @@
 
 namespace {
 
+// Runs body(begin, end) over items [0, n), one contiguous range per thread,
+// the ranges cut so that each holds about the same total cost(i). Items of
+// a prompt chunk attend to 1, 2, ... n positions: split by count, the thread
+// with the second half would do three times the work of the first.
+template <typename Cost, typename Body>
+void parallel_by_cost(int64_t n, Cost&& cost, Body&& body) {
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), n);
+  if (T <= 1) {
+    body(int64_t{0}, n);
+    return;
+  }
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost(i);
+  std::vector<int64_t> bounds(T + 1, n);
+  bounds[0] = 0;
+  for (int64_t t = 1; t < T; ++t)  // the first item whose prefix reaches t / T of the total
+    bounds[t] = std::lower_bound(prefix.begin(), prefix.end(), prefix[n] * t / T) - prefix.begin();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      if (bounds[t] < bounds[t + 1]) body(bounds[t], bounds[t + 1]);
+  });
+}
+
+// A (query row, kv head) item's cost: the positions it reads, and a fixed part.
+inline int64_t item_cost(const int64_t* lens, int64_t b) { return lens[b] + 16; }
+
 template <typename scalar_t, int D>
 inline void load_row(const scalar_t* __restrict__ src, float* __restrict__ dst) {
 #pragma omp simd
@@ -46,7 +72,8 @@ void decode_kernel(
     const int64_t* __restrict__ lens,     // [B]: positions each query attends to
     int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride) {
   const int64_t G = H / KVH;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t item) { return item_cost(lens, item / KVH); };
+  parallel_by_cost(B * KVH, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     alignas(64) float row[D];
     for (int64_t item = begin; item < end; ++item) {

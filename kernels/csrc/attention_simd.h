@@ -133,7 +133,8 @@ void decode_kernel_bf16(
   const auto* vc = reinterpret_cast<const uint16_t*>(v_);
   auto* out = reinterpret_cast<uint16_t*>(out_);
   const int64_t G = H / KVH;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t item) { return item_cost(lens, item / KVH); };
+  parallel_by_cost(B * KVH, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv(G);
     std::vector<uint16_t> probs;  // the softmax numerators in bfloat16, for pass 2
     std::vector<int64_t> off;
@@ -318,7 +319,8 @@ void decode_kernel_f32_avx2(
   // (row, kv head) pair per item instead, so no thread idles.
   const int64_t split = B < at::get_num_threads() ? KVH : 1;  // items per row
   const int64_t heads_per_item = KVH / split;
-  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t item) { return item_cost(lens, item / split); };
+  parallel_by_cost(B * split, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv(H);
     std::vector<int64_t> off;
     for (int64_t item = begin; item < end; ++item) {

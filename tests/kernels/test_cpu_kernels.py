@@ -144,6 +144,33 @@ def test_prompt_rows_match_causal_reference(dtype: torch.dtype, group: int, head
 
 
 @needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_split_by_cost_give_the_same_bits(dtype: torch.dtype) -> None:
+    """Rows are shared out between threads by the positions they read (a
+    fresh prompt's last rows read the most): each row's result is the same
+    bits whatever the thread count, for a prompt chunk next to decode rows."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    chunk, decode_lens = 150, [3, 90, 400]
+    totals = [chunk, *decode_lens]
+    _, kc, vc, tables, _, _ = make_paged(totals, heads, kv_heads, head_dim, block_size, dtype, gen)
+    rows = torch.tensor([0] * chunk + [1, 2, 3])
+    lens = torch.cat([torch.arange(1, chunk + 1), torch.tensor(decode_lens)])
+    q = torch.randn(len(rows), heads, head_dim, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(
+                cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125, table_rows=rows)
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_write_kv_slots_is_index_copy(dtype: torch.dtype, tokens: int) -> None:
