@@ -170,8 +170,18 @@ def accumulate(target: CompletionOutput, delta: CompletionOutput) -> None:
     target.stop_reason = delta.stop_reason
 
 
+# json.dumps(..., ensure_ascii=False) builds a new encoder per call; streamed
+# events are encoded once per token, so they share this one (same output).
+_EVENT_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
+def event_json(data: Any) -> str:
+    """A streamed event's JSON text, non-ASCII kept as is."""
+    return _EVENT_ENCODER.encode(data)
+
+
 def sse(data: dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    payload = data if isinstance(data, str) else event_json(data)
     return f"data: {payload}\n\n"
 
 

@@ -20,7 +20,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.common import as_api_error, check_model, lora_for, unless_disconnected
+from frontend.api.common import (
+    as_api_error,
+    check_model,
+    event_json,
+    lora_for,
+    unless_disconnected,
+)
 from frontend.api.errors import APIError, anthropic_error_body
 from frontend.api.openai_models import ChatCompletionRequest
 from frontend.api.serving_chat import ChatServer
@@ -335,7 +341,7 @@ async def _collect(
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"event: {name}\ndata: {event_json(data)}\n\n"
 
 
 async def _events(

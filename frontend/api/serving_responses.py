@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from frontend.api.common import as_api_error, check_model, lora_for, now, unless_disconnected
+from frontend.api.common import (
+    as_api_error,
+    check_model,
+    event_json,
+    lora_for,
+    now,
+    unless_disconnected,
+)
 from frontend.api.errors import APIError
 from frontend.api.mcp_tools import McpRequest, McpSession, ToolServer, mcp_requests
 from frontend.api.responses_items import (
@@ -225,7 +231,7 @@ class ResponsesServer:
             nonlocal seq
             payload["sequence_number"] = seq
             seq += 1
-            return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            return f"event: {payload['type']}\ndata: {event_json(payload)}\n\n"
 
         try:
             started = self._object(turn, "in_progress")
