@@ -44,19 +44,15 @@ void add_rms_norm_kernel(typename S::T* __restrict__ x, typename S::T* __restric
   });
 }
 
-// exp(x) as Cephes' expf (the polynomial of exp_x16 in common.h), written
+// exp(x) as Cephes' expf (the constants of exp_x16 in common.h), written
 // in scalar code that vectorizes under omp simd; within 2 ulp of expf.
 inline float exp_simd(float x) {
   x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float n = std::floor(x * kLog2e + 0.5f);
+  float r = x - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * (r * r) + (r + 1.f);
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
