@@ -77,10 +77,12 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
-    """reshape_and_cache: store new keys/values at their slots."""
-    kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """reshape_and_cache: store new keys/values at their slots (either cache
+    layout: contiguous, or heads first as the engine allocates it on the CPU)."""
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value
 
 
 def paged_attention(

@@ -183,6 +183,8 @@ def paged_decode_attention(
     row per token, all pointing at its sequence's table, with lengths that
     grow by one (causal). Query rows may be strided (views of a fused qkv
     projection); the result goes to `out` when given, else to a new tensor.
+    The caches are read in place when contiguous or heads first (see
+    heads_first), else from a contiguous copy.
     """
     ops = _required_ops()
     if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -217,8 +219,8 @@ def paged_decode_attention(
         "paged_decode_attention",
         out,
         query,
-        k_cache.contiguous(),
-        v_cache.contiguous(),
+        _kernel_layout(k_cache),
+        _kernel_layout(v_cache),
         block_tables.contiguous(),
         table_rows.contiguous(),
         seq_lens.contiguous(),
@@ -228,6 +230,26 @@ def paged_decode_attention(
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
+
+
+def heads_first(cache: torch.Tensor) -> bool:
+    """Whether a cache [NB, BS, KVH, D] is the transpose(1, 2) view of a
+    contiguous [NB, KVH, BS, D]: each kv head's rows of a block one run."""
+    if cache.dim() != 4:
+        return False
+    _, block_size, kv_heads, head_dim = cache.shape
+    return cache.stride() == (
+        kv_heads * block_size * head_dim,
+        head_dim,
+        block_size * head_dim,
+        1,
+    )
+
+
+def _kernel_layout(cache: torch.Tensor) -> torch.Tensor:
+    """The cache itself where the kernels read its layout in place (contiguous,
+    or heads first), else a contiguous copy."""
+    return cache if cache.is_contiguous() or heads_first(cache) else cache.contiguous()
 
 
 def write_kv_slots(

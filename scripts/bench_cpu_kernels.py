@@ -11,7 +11,8 @@ sizes, in bfloat16 and float32.
 
 Attention, with the default model's heads: a decode step (64 rows of ~200
 positions) over 30 layers' caches, so each layer's keys and values come
-from memory as in the model; and prompt chunks of several lengths, one
+from memory as in the model, in both cache layouts with each row's blocks
+in order and scattered; and prompt chunks of several lengths, one
 query row per token through the compiled kernel against one SDPA call per
 sequence (the runner's choice between them, COMPILED_PROMPT_MAX_LEN).
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -108,25 +110,43 @@ def bench_size(dtype: torch.dtype, rows: int) -> None:
 def bench_decode_attention(
     dtype: torch.dtype, layers: int = 30, batch: int = 64, length: int = 192
 ) -> None:
+    """Both cache layouts (positions first, and heads first as the engine
+    stores it on the CPU), with each row's blocks in order (a fresh cache)
+    and scattered (a free list reshuffled by hours of serving), alternated."""
     blocks = batch * -(-length // BLOCK)
-    caches = [
+    plain = [
         (
             torch.randn(2 * blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype),
             torch.randn(2 * blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype),
         )
         for _ in range(layers)
     ]
-    tables = torch.randperm(2 * blocks)[:blocks].view(batch, -1).contiguous()
+    heads_first = [
+        tuple(
+            c.new_empty(2 * blocks, KV_HEADS, BLOCK, HEAD_DIM).transpose(1, 2).copy_(c)
+            for c in pair
+        )
+        for pair in plain
+    ]
     lens = torch.full((batch,), length)
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype)
-
-    def step() -> None:
-        for kc, vc in caches:
-            cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
-
-    ms = min(per_call_us(step, 1) for _ in range(7)) / 1e3
     shape = f"{batch} rows x {length} positions, {layers} layers"
-    print(f"{dtype_name(dtype)} decode step, {shape}: {ms:.1f} ms")
+    for order, table in (
+        ("in order", torch.arange(blocks)),
+        ("scattered", torch.randperm(2 * blocks)[:blocks]),
+    ):
+        tables = table.view(batch, -1).contiguous()
+
+        def step(caches: list, tables: torch.Tensor = tables) -> None:
+            for kc, vc in caches:
+                cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+
+        runs: dict[str, Callable[[], object]] = {
+            "positions first": partial(step, plain),
+            "heads first": partial(step, heads_first),
+        }
+        print(f"{dtype_name(dtype)} decode step, {shape}, blocks {order}: ", end="")
+        print(best_alternated(runs, 7))
 
 
 def bench_prompt_attention(dtype: torch.dtype, seqs: int, length: int) -> None:

@@ -124,7 +124,8 @@ void decode_kernel_bf16(
     const int64_t* __restrict__ tables,
     const int64_t* __restrict__ rows,
     const int64_t* __restrict__ lens,
-    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride) {
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride,
+    CacheStrides st) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int NQ = D / 32;  // bf16 vectors per row
   constexpr int NF = D / 16;  // float vectors per row
@@ -147,11 +148,15 @@ void decode_kernel_bf16(
         // Prompt rows of one sequence share their blocks: only a new table is fetched.
         if ((b + 1) * KVH < end && !(rows && rows[b + 1] == rows[b])) {
           const int64_t* nt = tables + (rows ? rows[b + 1] : b + 1) * MB;
-          const int64_t row_bytes = KVH * D * 2;
+          // Each block's used rows: one run (positions first) or one a head.
+          const int64_t runs = st.heads_first() ? KVH : 1, row_bytes = KVH * D * 2 / runs;
           for (int64_t t0 = 0, i = 0; t0 < lens[b + 1]; t0 += BS, ++i) {
             const int64_t bytes = std::min<int64_t>(BS, lens[b + 1] - t0) * row_bytes;
-            next.spans.emplace_back(reinterpret_cast<const char*>(kc + nt[i] * BS * KVH * D), bytes);
-            next.spans.emplace_back(reinterpret_cast<const char*>(vc + nt[i] * BS * KVH * D), bytes);
+            for (int64_t r = 0; r < runs; ++r) {
+              const int64_t at = nt[i] * st.block + r * st.head;
+              next.spans.emplace_back(reinterpret_cast<const char*>(kc + at), bytes);
+              next.spans.emplace_back(reinterpret_cast<const char*>(vc + at), bytes);
+            }
           }
         }
       }
@@ -167,9 +172,9 @@ void decode_kernel_bf16(
       // same for keys and values).
       off.resize(len);
       for (int64_t t0 = 0, i = 0; t0 < len; t0 += BS, ++i) {
-        const int64_t base = (table[i] * BS * KVH + h) * D;
+        const int64_t base = table[i] * st.block + h * st.head;
         const int64_t n = std::min<int64_t>(BS, len - t0);
-        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * KVH * D;
+        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * st.pos;
       }
       // Pass 1: scores = (q . k) * scale, 16 positions at a time.
       for (int64_t g = 0; g < G; ++g) {
@@ -289,11 +294,11 @@ void decode_kernel_f32_avx2(
     const int64_t* __restrict__ tables,
     const int64_t* __restrict__ rows,
     const int64_t* __restrict__ lens,
-    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride) {
+    int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale, int64_t q_stride,
+    CacheStrides st) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int NF = D / 8;  // vectors per row
   const int64_t G = H / KVH;
-  const int64_t row_floats = KVH * D;  // one cached position, all kv heads
   // One query row (all its heads) per work item: a position's keys for all
   // kv heads are adjacent, so reading them together walks each block in
   // order. With fewer rows than threads (a single sequence decoding), one
@@ -317,9 +322,9 @@ void decode_kernel_f32_avx2(
       scores.resize(H * padded);
       off.resize(len);
       for (int64_t t0 = 0, i = 0; t0 < len; t0 += BS, ++i) {
-        const int64_t base = table[i] * BS * row_floats;
+        const int64_t base = table[i] * st.block;
         const int64_t n = std::min<int64_t>(BS, len - t0);
-        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * row_floats;
+        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * st.pos;
       }
       // Pass 1: scores = (q . k) * scale, 8 positions at a time.
       for (int64_t t0 = 0; t0 < len; t0 += 8) {
@@ -328,17 +333,18 @@ void decode_kernel_f32_avx2(
         // for pass 2 into L2 (1.3-1.5x faster than leaving it to the
         // hardware prefetcher with the cache cold, as it is every layer).
         for (int64_t j = t0 + 8; j < std::min<int64_t>(t0 + 16, len); ++j)
-          for (int64_t c = h0 * D; c < h1 * D; c += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(kc + off[j] + c), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vc + off[j] + c), _MM_HINT_T1);
-          }
+          for (int64_t h = h0; h < h1; ++h)
+            for (int64_t c = h * st.head; c < h * st.head + D; c += 16) {
+              _mm_prefetch(reinterpret_cast<const char*>(kc + off[j] + c), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(vc + off[j] + c), _MM_HINT_T1);
+            }
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = q + b * q_stride + (h * G + g) * D;
             // Past len, a lane repeats the tile's first position (masked later).
             __m256 part[8];
             for (int j = 0; j < 8; ++j) {
-              const float* kr = kc + off[t0 + (j < n ? j : 0)] + h * D;
+              const float* kr = kc + off[t0 + (j < n ? j : 0)] + h * st.head;
               __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kr));
               for (int c = 1; c < NF; ++c)
                 a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kr + 8 * c), a);
@@ -374,7 +380,7 @@ void decode_kernel_f32_avx2(
       }
       // Pass 2: out = sum_t p_t * v_t, up to 3 query heads and 4 vectors per sweep.
       for (int64_t h = h0; h < h1; ++h) {
-        const float* vh = vc + h * D;
+        const float* vh = vc + h * st.head;
         float* oh = out + (b * H + h * G) * D;
         for (int c0 = 0; c0 < NF; c0 += 4) {
           for (int64_t g0 = 0; g0 < G; g0 += 3) {

@@ -233,6 +233,95 @@ def test_write_kv_decode_attention_is_write_then_attend(dtype: torch.dtype) -> N
     assert torch.equal(fused, ref)
 
 
+def heads_first_copy(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache stored as the engine stores it on the CPU: the
+    transpose(1, 2) view of a contiguous [blocks, kv_heads, block_size, dim]."""
+    blocks, block_size, kv_heads, dim = cache.shape
+    stored = cache.new_empty(blocks, kv_heads, block_size, dim).transpose(1, 2)
+    assert cpu_ops.heads_first(stored) and not stored.is_contiguous()
+    return stored.copy_(cache)
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_heads_first_caches_give_the_same_bits(dtype: torch.dtype) -> None:
+    """Every cache path reads and writes a heads-first cache in place, with
+    the same results to the bit as on a contiguous one: decode rows, prompt
+    rows, the slot writes (compiled and torch), the one-call decode paths and
+    the torch decode path."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 16, 17, 90, 200]
+    q, kc, vc, tables, seq_lens, per_seq = make_paged(lens, 9, 3, 64, 16, dtype, gen)
+    hk, hv = heads_first_copy(kc), heads_first_copy(vc)
+    ref = cpu_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    assert torch.equal(cpu_ops.paged_decode_attention(q, hk, hv, tables, seq_lens, 0.125), ref)
+    rows = torch.tensor([4] * 50)
+    prompt_lens = torch.arange(151, 201)
+    qp = torch.randn(50, 9, 64, generator=gen).to(dtype)
+    assert torch.equal(
+        cpu_ops.paged_decode_attention(qp, hk, hv, tables, prompt_lens, 0.125, table_rows=rows),
+        cpu_ops.paged_decode_attention(qp, kc, vc, tables, prompt_lens, 0.125, table_rows=rows),
+    )
+    assert torch.equal(
+        decode_attention(q, hk, hv, tables, seq_lens, 200, 0.125),
+        decode_attention(q, kc, vc, tables, seq_lens, 200, 0.125),
+    )
+
+    # Writes: a step's keys and values at the next slot of each sequence.
+    qkv = torch.randn(len(lens), (9 + 2 * 3) * 64, generator=gen).to(dtype)
+    qs, k, v = (t.view(len(lens), -1, 64) for t in qkv.split([9 * 64, 3 * 64, 3 * 64], -1))
+    slots = torch.tensor(
+        [ids[n // 16] * 16 + n % 16 if n % 16 else -1 for ids, n in zip(per_seq, lens, strict=True)]
+    )
+    keep = slots >= 0  # sequences whose next position is inside their last block
+    slots, qs, k, v = slots[keep], qs[keep], k[keep], v[keep]
+    after = seq_lens[keep] + 1
+    sub_tables = tables[keep]
+    for write in ("compiled", "torch"):
+        kc2, vc2, hk2, hv2 = kc.clone(), vc.clone(), heads_first_copy(kc), heads_first_copy(vc)
+        if write == "compiled":
+            cpu_ops.write_kv_slots(k, v, kc2, vc2, slots)
+            cpu_ops.write_kv_slots(k, v, hk2, hv2, slots)
+        else:
+            write_kv(k, v.contiguous(), kc2, vc2, slots)
+            write_kv(k, v.contiguous(), hk2, hv2, slots)
+        assert torch.equal(hk2, kc2) and torch.equal(hv2, vc2), write
+    hk3, hv3 = heads_first_copy(kc), heads_first_copy(vc)
+    out = cpu_ops.write_kv_decode_attention(qs, k, v, hk3, hv3, slots, sub_tables, after, 0.125)
+    ref = cpu_ops.paged_decode_attention(qs, kc2, vc2, sub_tables, after, 0.125)
+    assert torch.equal(out, ref) and torch.equal(hk3, kc2) and torch.equal(hv3, vc2)
+    cos, sin = torch.randn(2, 256, 32, generator=gen).to(dtype)
+    fused = qkv[keep].clone()
+    kc4, vc4, hk4, hv4 = kc.clone(), vc.clone(), heads_first_copy(kc), heads_first_copy(vc)
+    args = (after - 1, cos, sin)
+    a = cpu_ops.qkv_decode_attention(
+        fused.clone(), 9, *args, kc4, vc4, slots, sub_tables, after, 0.125
+    )
+    b = cpu_ops.qkv_decode_attention(
+        fused.clone(), 9, *args, hk4, hv4, slots, sub_tables, after, 0.125
+    )
+    assert torch.equal(a, b) and torch.equal(hk4, kc4) and torch.equal(hv4, vc4)
+
+
+@needs_compiled
+def test_caches_in_another_layout_are_read_from_a_copy_and_never_written() -> None:
+    """Attention reads a cache of any other layout from a contiguous copy; the
+    slot writes refuse one (a copy would lose the write)."""
+    gen = torch.Generator().manual_seed(9)
+    q, kc, vc, tables, seq_lens, _ = make_paged([5, 40], 6, 2, 64, 16, torch.float32, gen)
+    # Blocks first, then kv heads, with positions strided: neither layout.
+    odd_k = kc.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    odd_v = vc.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    assert not odd_k.is_contiguous() and not cpu_ops.heads_first(odd_k)
+    ref = cpu_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    assert torch.equal(
+        cpu_ops.paged_decode_attention(q, odd_k, odd_v, tables, seq_lens, 0.125), ref
+    )
+    k = torch.randn(1, 2, 64, generator=gen)
+    with pytest.raises(RuntimeError, match="transpose"):
+        cpu_ops.write_kv_slots(k, k, odd_k, odd_v, torch.tensor([3]))
+
+
 @needs_compiled
 @pytest.mark.skipif(not cpu_ops.has_bf16_attention(), reason="no AVX512-BF16 kernel here")
 def test_bf16_attention_is_float32_attention_rounded_once() -> None:
