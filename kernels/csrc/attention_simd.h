@@ -299,9 +299,9 @@ void decode_kernel_f32_avx2(
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int NF = D / 8;  // vectors per row
   const int64_t G = H / KVH;
-  // One query row (all its heads) per work item: a position's keys for all
-  // kv heads are adjacent, so reading them together walks each block in
-  // order. With fewer rows than threads (a single sequence decoding), one
+  // One query row (all its heads) per work item, so each block is read once
+  // for all kv heads: in order when positions come first, as KVH runs when
+  // heads do. With fewer rows than threads (a single sequence decoding), one
   // (row, kv head) pair per item instead, so no thread idles.
   const int64_t split = B < at::get_num_threads() ? KVH : 1;  // items per row
   const int64_t heads_per_item = KVH / split;
