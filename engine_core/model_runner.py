@@ -161,15 +161,17 @@ class ModelRunner(RunnerUtilities):
 
     def _cache(self, num_blocks: int) -> torch.Tensor:
         """One layer's key (or value) cache, [num_blocks, block_size, kv_heads,
-        head_dim]. On the CPU it is stored heads first (the transposed view of
-        [num_blocks, kv_heads, block_size, head_dim]), so that a decode work
-        item, one query row and kv head, reads each block's keys and values for
-        its head as one run instead of a slice of every position's row: a
-        batch-64 decode step's attention takes 7-9% less time in bfloat16, and
-        up to 13% less in float32 once blocks are scattered (`python
-        scripts/bench_cpu_kernels.py --attention`). CUDA keeps the plain layout."""
+        head_dim]. Where the compiled CPU kernels read it, it is stored heads
+        first (the transposed view of [num_blocks, kv_heads, block_size,
+        head_dim]), so that a decode work item, one query row and kv head,
+        reads each block's keys and values for its head as one run instead of
+        a slice of every position's row: a batch-64 decode step's attention
+        takes 7-9% less time in bfloat16, and up to 13% less in float32 once
+        blocks are scattered (`python scripts/bench_cpu_kernels.py
+        --attention`). The torch and Triton paths keep the plain layout, which
+        their gathers and kernels read without a copy."""
         mc = self.model_config
-        if self.device.type == "cpu":
+        if self.compiled_decode:
             shape = (num_blocks, mc.num_kv_heads, self.block_size, mc.head_dim)
             return torch.empty(shape, dtype=self.dtype, device=self.device).transpose(1, 2)
         shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)

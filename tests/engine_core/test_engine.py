@@ -150,6 +150,23 @@ def test_cpu_kv_cache_is_resident_from_the_start(tiny_models: dict[str, Path]) -
     assert grown >= 0.8 * num_blocks * runner.kv_bytes_per_block(), grown
 
 
+def test_cpu_kv_cache_is_stored_heads_first_for_the_compiled_kernels(
+    tiny_models: dict[str, Path],
+) -> None:
+    """Each kv head's rows of a block are one run where the compiled kernels
+    read the cache; the torch path keeps the plain, contiguous layout."""
+    from kernels import cpu_ops
+
+    runner = tiny_engine(tiny_models).executor.runner
+    for compiled in (True, False):
+        runner.compiled_decode = compiled and cpu_ops.load_cpu_ops() is not None
+        runner.allocate_kv_cache(8)
+        for k, v in runner.kv_caches:
+            assert k.shape == v.shape == (8, runner.block_size, *k.shape[2:])
+            assert cpu_ops.heads_first(k) == runner.compiled_decode == cpu_ops.heads_first(v)
+            assert k.is_contiguous() != runner.compiled_decode
+
+
 def test_prompt_step_runs_the_last_layer_on_sampled_rows_only(
     engine: EngineCore, prompt: list[int]
 ) -> None:
