@@ -60,7 +60,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV cache budget in bytes (default: min(4 GiB, 25%% of free memory) on CPU)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the random draws of requests that give no seed of their own",
+    )
     g.add_argument(
         "--runner",
         default="auto",

@@ -1,7 +1,7 @@
 """ModelRunner: owns the weights and the paged KV cache, runs one plan.
 
 It keeps a small state per request it has seen (token ids, block table,
-sampling generator), applies the plan's diffs to it, flattens the batch into
+the penalized ones' token history), applies the plan's diffs to it, flattens the batch into
 tensors (token ids, positions, slot mapping, block tables), runs the model
 and samples. It never sees scheduler objects.
 """
@@ -27,6 +27,7 @@ from engine_core.runner_utilities import RunnerUtilities
 from engine_core.sampler import SamplingRow, prompt_logprobs, sample
 from engine_core.sleep import ParkedWeights, release_freed_memory, reuse_freed_memory
 from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
+from engine_core.token_history import TokenHistory
 from engine_core.weights import load_gguf_blocks, load_int4_weights, load_weights
 from kernels.cpu_ops import (
     SUPPORTED_HEAD_DIMS,
@@ -78,8 +79,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    history_slot: int = -1  # its TokenHistory row (penalized requests)
     matcher: Any = None  # xgrammar GrammarMatcher of a constrained request
     pooling: PoolingParams | None = None  # set for a pooling request (--runner pooling)
     lora_slot: int = 0  # the adapter slot its tokens use (0: none)
@@ -93,6 +94,8 @@ class ModelRunner(RunnerUtilities):
         self.model_config = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # Unseeded requests are keyed from torch's global generator (--seed).
+        torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             reuse_freed_memory()
@@ -103,6 +106,7 @@ class ModelRunner(RunnerUtilities):
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.requests: dict[str, CachedRequestState] = {}
+        self.history = TokenHistory()  # token ids of the penalized requests
         self.num_kv_blocks = 0
         # Sleep mode: the parked weights (level 1), or None with model None (level 2).
         self._parked: ParkedWeights | None = None
@@ -239,19 +243,17 @@ class ModelRunner(RunnerUtilities):
         self.graphs = None
         self.kv_caches = []
         self.requests.clear()
+        self.history.clear()
         release_freed_memory(self.device)
 
     # -------------------------------------------------------------- execute
 
     def _add_request(self, new: NewRequestData) -> None:
         p = new.sampling_params
-        generator = None
-        if p.seed is not None and p.temperature != 0.0:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(p.seed)
-            # A request resumed after preemption continues its random stream.
-            for _ in range(new.num_output_tokens):
-                torch.empty(self.model_config.vocab_size).exponential_(generator=generator)
+        self._forget(new.request_id)
+        history_slot = -1
+        if p.needs_penalties:
+            history_slot = self.history.add(new.token_ids, new.num_prompt_tokens)
         output_token_ids = list(new.token_ids[new.num_prompt_tokens :])
         matcher = None
         if new.grammar is not None:
@@ -263,8 +265,8 @@ class ModelRunner(RunnerUtilities):
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             params=p,
-            generator=generator,
             output_token_ids=output_token_ids,
+            history_slot=history_slot,
             matcher=matcher,
             pooling=new.pooling_params,
             lora_slot=new.lora_slot,
@@ -275,7 +277,7 @@ class ModelRunner(RunnerUtilities):
         for slot, name in plan.lora_loads:
             self.load_lora(slot, name)
         for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
         for new in plan.new_requests:
             self._add_request(new)
         for cached in plan.cached_requests:
@@ -395,11 +397,14 @@ class ModelRunner(RunnerUtilities):
             constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
             if constrained:
                 apply_grammar_bitmask(logits, constrained)
-            token_ids, logprobs = sample(logits, [self._sampling_row(s) for s in states])
+            rows = [self._sampling_row(s) for s in states]
+            token_ids, logprobs = sample(logits, rows, self.history)
             for request_id, token_id, lp in zip(sample_ids, token_ids, logprobs, strict=True):
                 state = self.requests[request_id]
                 state.token_ids.append(token_id)
                 state.output_token_ids.append(token_id)
+                if state.history_slot >= 0:
+                    self.history.append(state.history_slot, token_id)
                 if state.matcher is not None and advance_matcher(state.matcher, token_id):
                     result.grammar_terminated.add(request_id)
                 result.sampled_token_ids[request_id] = token_id
@@ -463,11 +468,15 @@ class ModelRunner(RunnerUtilities):
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(
             params=state.params,
-            generator=state.generator,
-            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
             output_token_ids=state.output_token_ids,
             eos_token_ids=self.eos_token_ids,
+            history_slot=state.history_slot,
         )
+
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.history_slot >= 0:
+            self.history.release(state.history_slot)
 
 
 def _padded_table(rows: Sequence[list[int] | torch.Tensor]) -> torch.Tensor:

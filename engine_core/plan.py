@@ -24,8 +24,6 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
-    # Generators of seeded requests must continue where they left off.
-    num_output_tokens: int = 0
     # An xgrammar CompiledGrammar when the output is constrained.
     grammar: Any = None
     # Set for a pooling request: all of its tokens are scheduled in this step.

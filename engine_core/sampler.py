@@ -3,8 +3,11 @@
 Order: logprobs are read from the raw distribution (as vLLM does by
 default); then logit bias, min_tokens masking and penalties; then greedy
 rows take the argmax and the others are sampled after temperature, top-k,
-top-p and min-p. A seeded request draws its noise from its own generator, so
-its tokens do not depend on what else is in the batch.
+top-p and min-p by the compiled kernel (kernels/sampling.py), one uniform
+number a row instead of a noise tensor the size of the vocabulary. A seeded
+request draws from Philox keyed by its seed at the count of tokens it has
+sampled, so its tokens do not depend on what else is in the batch, and it
+continues where it left off after preemption.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_ops
+from engine_core.token_history import TokenHistory
+from kernels import cpu_ops, sampling
 from protocol.messages import Logprobs
 from protocol.sampling_params import SamplingParams
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -23,52 +29,39 @@ class SamplingRow:
     """What the sampler needs to know about one request of the batch."""
 
     params: SamplingParams
-    generator: torch.Generator | None
-    prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
+    history_slot: int = -1  # its row of the TokenHistory; set for penalized requests
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow]
+    logits: torch.Tensor, rows: list[SamplingRow], history: TokenHistory | None = None
 ) -> tuple[list[int], list[Logprobs | None]]:
-    """logits: float32 [batch, vocab] → (token id per row, logprobs per row)."""
-    batch, vocab = logits.shape
+    """logits: float32 [batch, vocab], changed in place → (token id per row, logprobs per row)."""
     want_logprobs = [r.params.logprobs for r in rows]
-    raw_logprobs = None
-    if any(k is not None for k in want_logprobs):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    lp_rows = [i for i, k in enumerate(want_logprobs) if k is not None]
+    raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
-    logits = _apply_biases_and_penalties(logits, rows)
+    _apply_biases(logits, rows)
+    _apply_penalties(logits, rows, history)
+    if all(r.params.temperature == 0.0 for r in rows):
+        sampled = cpu_ops.argmax_rows(logits).tolist()
+    else:
+        sampled = _sample_rows(logits, rows).tolist()
 
-    temperatures = [r.params.temperature for r in rows]
-    greedy_rows = [i for i, t in enumerate(temperatures) if t == 0.0]
-    random_rows = [i for i, t in enumerate(temperatures) if t != 0.0]
-    token_ids = torch.empty(batch, dtype=torch.long)
-    if len(greedy_rows) == batch:
-        token_ids = cpu_ops.argmax_rows(logits)
-    elif greedy_rows:
-        idx = torch.tensor(greedy_rows)
-        token_ids[idx] = cpu_ops.argmax_rows(logits[idx])
-    if random_rows:
-        idx = torch.tensor(random_rows)
-        token_ids[idx] = _sample_random(logits[idx], [rows[i] for i in random_rows])
-    sampled = token_ids.tolist()
-
-    results: list[Logprobs | None] = [None] * batch
+    results: list[Logprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
-        results = _gather_logprobs(raw_logprobs, sampled, want_logprobs)
+        chosen = [sampled[i] for i in lp_rows]
+        found = _gather_logprobs(raw_logprobs, chosen, [want_logprobs[i] for i in lp_rows])
+        for i, lp in zip(lp_rows, found, strict=True):
+            results[i] = lp
     return sampled, results
 
 
-def _apply_biases_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    changed = False
+def _apply_biases(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """logit_bias, and min_tokens' ban on stop and EOS tokens, in place."""
     for i, row in enumerate(rows):
         p = row.params
-        if p.logit_bias or len(row.output_token_ids) < p.min_tokens or p.needs_penalties:
-            if not changed:
-                logits = logits.clone()
-                changed = True
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
             logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values())))
@@ -78,67 +71,48 @@ def _apply_biases_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -
                 banned.update(row.eos_token_ids)
             if banned:
                 logits[i, list(banned)] = float("-inf")
-    penalty_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-    if penalty_rows:
-        _apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
-    return logits
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_idx: list[int]) -> None:
-    """Repetition (prompt + output), frequency and presence (output) penalties."""
-    vocab = logits.shape[1]
-    n = len(rows)
-    counts = torch.zeros(n, vocab)
-    seen = torch.zeros(n, vocab, dtype=torch.bool)
-    for j, row in enumerate(rows):
-        if row.output_token_ids:
-            out = torch.tensor(row.output_token_ids, dtype=torch.long)
-            counts[j].index_add_(0, out, torch.ones(len(out)))
-        if row.prompt_token_ids:
-            seen[j, torch.tensor(row.prompt_token_ids, dtype=torch.long)] = True
-    seen |= counts > 0
-    idx = torch.tensor(row_idx)
-    sub = logits[idx]
-    rep = torch.tensor([r.params.repetition_penalty for r in rows])[:, None]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
-    sub = sub - freq * counts - pres * (counts > 0).float()
-    logits[idx] = sub
+def _apply_penalties(
+    logits: torch.Tensor, rows: list[SamplingRow], history: TokenHistory | None
+) -> None:
+    """Repetition (prompt + output), frequency and presence (output) penalties, in place."""
+    idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not idx:
+        return
+    if history is None or any(rows[i].history_slot < 0 for i in idx):
+        raise ValueError("penalized rows need their token history")
+    slots = [rows[i].history_slot for i in idx]
+    params = [rows[i].params for i in idx]
+    sampling.apply_penalties(
+        logits,
+        torch.tensor(idx, dtype=torch.int64),
+        history.tensor(),
+        torch.tensor(slots, dtype=torch.int64),
+        torch.tensor([history.prompt_lens[s] for s in slots], dtype=torch.int64),
+        torch.tensor([history.lens[s] for s in slots], dtype=torch.int64),
+        torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+        torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+        torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+    )
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then an exponential race per row."""
-    temps = torch.tensor([r.params.temperature for r in rows])[:, None]
-    logits = logits / temps
-    top_ks = [r.params.top_k for r in rows]
-    top_ps = [r.params.top_p for r in rows]
-    min_ps = [r.params.min_p for r in rows]
-    vocab = logits.shape[1]
-    if any(0 < k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])[:, None]
-        ranks = torch.arange(vocab)[None, :]
-        drop = ranks >= k
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-        drop |= cum >= torch.tensor(top_ps)[:, None]
-        drop[:, 0] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    if any(p > 0.0 for p in min_ps):
-        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps)[:, None]
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    # Exponential race: argmax(p / q) with q ~ Exp(1) samples from p.
-    noise = torch.empty_like(probs)
-    unseeded = [j for j, r in enumerate(rows) if r.generator is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_()
-    for j, row in enumerate(rows):
-        if row.generator is not None:
-            noise[j] = torch.empty(probs.shape[1]).exponential_(generator=row.generator)
-    return cpu_ops.argmax_rows(probs / noise)
+def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Greedy and random rows in one call. Unseeded rows are keyed by a number
+    from torch's global generator, seeded rows by their seed."""
+    params = [r.params for r in rows]
+    keys = torch.randint(_INT64_MIN, _INT64_MAX, (len(rows),), dtype=torch.int64).tolist()
+    seeds = [k if p.seed is None else p.seed for k, p in zip(keys, params, strict=True)]
+    counters = [0 if r.params.seed is None else len(r.output_token_ids) for r in rows]
+    return sampling.sample_rows(
+        logits,
+        torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        torch.tensor(seeds, dtype=torch.int64),
+        torch.tensor(counters, dtype=torch.int64),
+    )
 
 
 def _gather_logprobs(

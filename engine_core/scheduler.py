@@ -155,7 +155,6 @@ class Scheduler:
                     block_ids=list(self.block_manager.get_block_ids(request.request_id)),
                     num_computed_tokens=num_hit,
                     sampling_params=request.sampling_params,
-                    num_output_tokens=request.num_output_tokens,
                     grammar=request.grammar.result() if request.grammar is not None else None,
                     pooling_params=request.pooling_params,
                     lora_slot=request.lora_slot,

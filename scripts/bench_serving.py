@@ -7,7 +7,12 @@ Poisson request rate, and reports request throughput, output tokens/s, and
 TTFT / TPOT / ITL mean, median and p99.
 
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 \\
-        --num-prompts 128 --input-len 128 --output-len 128 --max-concurrency 16
+        --num-prompts 128 --input-len 128 --output-len 128 --max-concurrency 16 \\
+        --temperature 0.8 --top-p 0.95 --repetition-penalty 1.1
+
+Sampling flags carry vLLM's names (`vllm bench serve`'s); one left out is not
+sent, so the server's default applies (as with vLLM's client, which no
+longer sends temperature 0). The report names the settings it ran with.
 
 The client runs on aiohttp, as vLLM's `vllm bench serve` does: on a small
 machine the client shares the cores with the server under test, and
@@ -28,6 +33,11 @@ from typing import Any
 
 import aiohttp
 
+try:
+    from scripts.sampling_flags import add_sampling_flags, describe_sampling, sampling_settings
+except ImportError:  # run as a file: scripts/ is on the path, the repository root is not
+    from sampling_flags import add_sampling_flags, describe_sampling, sampling_settings
+
 
 @dataclass
 class Result:
@@ -46,15 +56,16 @@ async def one_request(
     prompt: list[int],
     output_len: int,
     api_key: str | None,
+    sampling: dict[str, Any],
 ) -> Result:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
-        "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
+        **sampling,
     }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.perf_counter()
@@ -116,14 +127,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             model = models["data"][0]["id"]
         semaphore = asyncio.Semaphore(args.max_concurrency)
 
-        async def limited(prompt: list[int]) -> Result:
+        settings = sampling_settings(args)
+        seed = settings.pop("seed", None)
+
+        async def limited(i: int, prompt: list[int]) -> Result:
+            sampling = settings if seed is None else {**settings, "seed": seed + i}
             async with semaphore:
-                return await one_request(client, url, model, prompt, args.output_len, args.api_key)
+                return await one_request(
+                    client, url, model, prompt, args.output_len, args.api_key, sampling
+                )
 
         tasks = []
         start = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for i, prompt in enumerate(prompts):
+            tasks.append(asyncio.create_task(limited(i, prompt)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -138,6 +155,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len,
         "max_concurrency": args.max_concurrency,
         "request_rate": args.request_rate,
+        "sampling": describe_sampling(args),
         "duration_s": duration,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -167,11 +185,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the report here")
+    add_sampling_flags(parser)
     args = parser.parse_args()
     report = asyncio.run(run(args))
     print(
         f"completed {report['completed']}/{args.num_prompts} in {report['duration_s']:.1f} s "
-        f"(concurrency {args.max_concurrency})"
+        f"(concurrency {args.max_concurrency}; sampling: {report['sampling']})"
     )
     print(
         f"request throughput {report['request_throughput']:.2f} req/s, "

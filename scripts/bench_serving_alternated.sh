@@ -14,6 +14,21 @@
 #   VLLM_PY=/tmp/vllmenv/bin/python HF_DIR=/tmp/smollm2-bf16 \
 #       scripts/bench_serving_alternated.sh
 #
+# SAMPLING holds the client's sampling flags, vLLM's names (default: none,
+# so each server samples with its own defaults, as `vllm bench serve` does),
+# or several settings separated by ";", each run on every load in turn; the
+# table's header lists them and its "set" column says which a row ran
+# with, reports get _s<set>. The three settings of docs/benchmarks.md:
+#
+#   SAMPLING=";--temperature 0.8 --top-p 0.95 --repetition-penalty 1.1;--temperature 0"
+#
+# CLIENT=vllm drives both servers with vLLM's own client, `vllm bench serve`
+# (through scripts/vllm_cli.sh and VLLM_PY), instead of
+# scripts/bench_serving.py; HF_DIR gives it the tokenizer:
+#
+#   CLIENT=vllm VLLM_PY=/tmp/vllmenv/bin/python HF_DIR=/tmp/smollm2-bf16 \
+#       SAMPLING="--temperature 0" scripts/bench_serving_alternated.sh
+#
 # With B_ARGS set, two `pagoda serve` run side by side instead (systems "a"
 # with A_ARGS and "b" with B_ARGS, each its extra flags), to compare two
 # configurations the same way:
@@ -27,6 +42,8 @@ ROUNDS=${ROUNDS:-2}
 VPORT=${VPORT:-8401}
 PPORT=${PPORT:-8402}
 PY=.venv/bin/python
+CLIENT=${CLIENT:-pagoda}
+IFS=';' read -ra settings <<< "${SAMPLING:-};"  # the trailing ; keeps a lone empty setting
 mkdir -p "$OUT"
 
 if [[ -n "${B_ARGS+set}" ]]; then
@@ -58,27 +75,51 @@ for port in "$VPORT" "$PPORT"; do
     --max-concurrency 8 --output-len 16 --seed 100 > /dev/null
 done
 
+model_of() {  # the id a server lists first under /v1/models
+  curl -sf "http://127.0.0.1:$1/v1/models" | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])'
+}
+
 seed=10
-printf '%-6s %-12s %-7s %10s %8s %9s %8s\n' round load system "out tok/s" "req/s" "TTFT med" \
-  "ITL med"
+echo "client: $CLIENT"
+for s in "${!settings[@]}"; do echo "sampling set $s: ${settings[$s]:-server defaults}"; done
+printf '%-6s %-12s %-3s %-7s %10s %8s %9s %8s\n' round load set system "out tok/s" "req/s" \
+  "TTFT med" "ITL med"
 for round in $(seq "$ROUNDS"); do
   for load in ${LOADS:-16:64 64:128}; do
-    IFS=: read -r conc prompts in_len out_len <<< "$load"
-    name="c${conc}${in_len:+_i${in_len}o${out_len}}"
+   IFS=: read -r conc prompts in_len out_len <<< "$load"
+   for set in "${!settings[@]}"; do
+    read -ra sampling <<< "${settings[$set]}"
+    name="c${conc}${in_len:+_i${in_len}o${out_len}}_s${set}"
     for side in "$first $VPORT" "$second $PPORT"; do
       read -r system port <<< "$side"
       seed=$((seed + 1))
       report="$OUT/${system}_r${round}_${name}.json"
-      $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --num-prompts "$prompts" \
-        --input-len "${in_len:-128}" --output-len "${out_len:-128}" \
-        --max-concurrency "$conc" --seed "$seed" --json "$report" > /dev/null
-      $PY - "$report" "$round" "$name" "$system" <<'PYEOF'
+      if [[ $CLIENT == vllm ]]; then
+        : "${HF_DIR:?an HF directory of the default model}"
+        scripts/vllm_cli.sh bench serve --backend openai --base-url "http://127.0.0.1:$port" \
+          --endpoint /v1/completions --model "$(model_of "$port")" --tokenizer "$HF_DIR" \
+          --dataset-name random --random-input-len "${in_len:-128}" \
+          --random-output-len "${out_len:-128}" --num-prompts "$prompts" \
+          --max-concurrency "$conc" --seed "$seed" --ignore-eos --disable-tqdm \
+          --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --save-result \
+          --result-dir "$OUT" --result-filename "$(basename "$report")" "${sampling[@]}" \
+          > "${report%.json}.txt" 2>&1
+      else
+        $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --num-prompts "$prompts" \
+          --input-len "${in_len:-128}" --output-len "${out_len:-128}" \
+          --max-concurrency "$conc" --seed "$seed" --json "$report" "${sampling[@]}" > /dev/null
+      fi
+      $PY - "$report" "$round" "${name%_s*}" "$set" "$system" <<'PYEOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"{sys.argv[2]:<6} {sys.argv[3]:<12} {sys.argv[4]:<7} {r['output_throughput']:>10.1f}"
-      f" {r['request_throughput']:>8.2f} {r['ttft_ms']['median']:>9.0f}"
-      f" {r['itl_ms']['median']:>8.1f}")
+# scripts/bench_serving.py's report, or `vllm bench serve`'s
+ttft = r["ttft_ms"]["median"] if "ttft_ms" in r else r["median_ttft_ms"]
+itl = r["itl_ms"]["median"] if "itl_ms" in r else r["median_itl_ms"]
+print(f"{sys.argv[2]:<6} {sys.argv[3]:<12} {sys.argv[4]:<3} {sys.argv[5]:<7}"
+      f" {r['output_throughput']:>10.1f} {r['request_throughput']:>8.2f} {ttft:>9.0f}"
+      f" {itl:>8.1f}")
 PYEOF
     done
+   done
   done
 done

@@ -9,6 +9,11 @@ outside the ops (scheduling, input preparation, Python between calls).
 
     python scripts/profile_step.py --num-prompts 64 --steps 40:80   # decode, batch 64
     python scripts/profile_step.py --num-prompts 16 --steps 1:2     # one 2,048-token prompt step
+    python scripts/profile_step.py --temperature 0.8 --top-p 0.95 --repetition-penalty 1.1
+
+Requests are greedy unless sampling flags are given (vLLM's names); the
+settings are printed with the figures. The sampler's whole call (penalties,
+filters, the draw, logprobs) is timed as well as the compiled ops inside it.
 
 Step 1 is the first step of the measured prompts (a warm-up request runs
 before them); with --max-num-batched-tokens 4096 (the default here, as in
@@ -23,6 +28,24 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
+try:
+    from scripts.sampling_flags import add_sampling_flags, describe_sampling, sampling_settings
+except ImportError:  # run as a file: scripts/ is on the path, the repository root is not
+    from sampling_flags import add_sampling_flags, describe_sampling, sampling_settings
+
+
+# What a mixed batch holds, request by request in turn: greedy, the defaults,
+# a chat UI's settings, top-k, min-p, penalties, a seeded request.
+MIX: list[dict[str, Any]] = [
+    {"temperature": 0.0},
+    {},
+    {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1},
+    {"top_k": 50},
+    {"min_p": 0.05},
+    {"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+    {"temperature": 0.7, "top_p": 0.9, "seed": 1234},
+]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -33,11 +56,18 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=100)
     parser.add_argument("--steps", default="40:80", help="START:STOP, the steps timed")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    add_sampling_flags(parser, temperature=0.0)
+    parser.add_argument(
+        "--mix",
+        action="store_true",
+        help="request i takes the i-th of MIX's settings in turn (the sampling flags are ignored)",
+    )
     args = parser.parse_args()
     start, stop = (int(s) for s in args.steps.split(":"))
     if not 1 <= start < stop:
         parser.error("--steps must be START:STOP with 1 <= START < STOP")
 
+    import engine_core.model_runner as model_runner
     from frontend import LLM, SamplingParams
     from kernels import cpu_ops
 
@@ -83,16 +113,42 @@ def main() -> None:
         timing["on"] = False
         return out
 
+    sample = model_runner.sample
+    sampler_s = [0.0]
+
+    def timed_sample(*sample_args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = sample(*sample_args)
+        if timing["on"]:
+            sampler_s[0] += time.perf_counter() - t0
+        return out
+
+    model_runner.sample = timed_sample  # type: ignore[assignment]
     engine.step = timed_step
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    settings = sampling_settings(args)
+    seed = settings.pop("seed", None)
+    params = [
+        SamplingParams(
+            max_tokens=args.output_len,
+            ignore_eos=True,
+            **(
+                MIX[i % len(MIX)]
+                if args.mix
+                else {**settings, "seed": None if seed is None else seed + i}
+            ),  # type: ignore[arg-type]
+        )
+        for i in range(len(prompts))
+    ]
     llm.generate(prompts, params, use_tqdm=False)
     steps = timing["steps"]
     if not steps:
         raise SystemExit(f"no step in {args.steps}: the run took {timing['n']} steps")
     step_ms = 1e3 * timing["step_s"] / steps
+    print(f"sampling: {'MIX (one of each in turn)' if args.mix else describe_sampling(args)}")
     print(
         f"{steps} steps timed ({args.steps}), {args.num_prompts} prompts: {step_ms:.2f} ms a step"
     )
+    print(f"  {'sampler (whole call)':36s} {1e3 * sampler_s[0] / steps:9.3f} ms/step")
     for key in sorted(spent, key=lambda k: -spent[k]):
         per_step, per_call = 1e3 * spent[key] / steps, 1e6 * spent[key] / calls[key]
         print(f"  {key:36s} {per_step:9.3f} ms/step {per_call:10.1f} us/call")

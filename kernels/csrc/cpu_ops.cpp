@@ -1,7 +1,7 @@
 // Pagoda's compiled CPU kernels, one translation unit: paged attention
 // (attention.h), fused elementwise ops (elementwise.h), linear layers over
-// a few rows (linear.h), bfloat16 linears on AVX512-BF16 (linear_bf16.h)
-// and the logits helpers (logits.h). Built once per
+// a few rows (linear.h), bfloat16 linears on AVX512-BF16 (linear_bf16.h),
+// the logits helpers (logits.h) and the sampler (sampling.h). Built once per
 // machine by kernels/cpu_ops.py.
 #include <torch/extension.h>
 
@@ -10,6 +10,7 @@
 #include "linear.h"
 #include "linear_bf16.h"
 #include "logits.h"
+#include "sampling.h"
 
 // A decode step's attention straight from the fused qkv projection
 // [B, (heads + 2 kv_heads) * D]: the neox rotary embedding of q and k in
@@ -42,6 +43,11 @@ torch::Tensor qkv_decode_attention(torch::Tensor qkv, int64_t heads, torch::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU, float32)");
+  m.def("sample_rows", &sample_rows,
+        "one token per row by inverse CDF after temperature, top-k, top-p, min-p (CPU)");
+  m.def("philox_uniforms", &philox_uniforms, "Philox4x32-10 uniforms in [0, 1) by seed and counter");
+  m.def("apply_penalties", &apply_penalties,
+        "repetition, frequency and presence penalties from token histories, in place (CPU)");
   m.def("refine_leading_logits", &refine_leading_logits,
         "recompute each row's near-maximal logits in float32, in place (CPU, bfloat16)");
   m.def("paged_decode_attention", &paged_decode_attention,

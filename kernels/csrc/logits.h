@@ -62,6 +62,21 @@ inline bool is_nan_bits(float x) {
   std::memcpy(&bits, &x, sizeof(bits));
   return (bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0;
 }
+
+// The first index of a row's maximum, as torch.argmax (a NaN counts as the
+// maximum); the sampler's greedy rows share it.
+inline int64_t row_argmax(const float* row, int64_t vocab) {
+  float top = row[0];
+  for (int64_t j = 1; j < vocab; ++j) top = row[j] > top ? row[j] : top;
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
+  uint32_t nan_seen = 0;
+  for (int64_t j = 0; j < vocab; ++j) nan_seen |= (bits[j] & 0x7fffffffu) > 0x7f800000u;
+  const bool any_nan = nan_seen != 0;
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (any_nan ? is_nan_bits(row[j]) : row[j] == top) return j;
+  }
+  return 0;
+}
 }  // namespace
 
 torch::Tensor argmax_rows(torch::Tensor logits) {
@@ -73,23 +88,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   const float* lg = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = lg + r * vocab;
-      float top = row[0];
-      for (int64_t j = 1; j < vocab; ++j) top = row[j] > top ? row[j] : top;
-      const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
-      uint32_t nan_seen = 0;
-      for (int64_t j = 0; j < vocab; ++j) nan_seen |= (bits[j] & 0x7fffffffu) > 0x7f800000u;
-      const bool any_nan = nan_seen != 0;
-      int64_t found = 0;
-      for (int64_t j = 0; j < vocab; ++j) {
-        if (any_nan ? is_nan_bits(row[j]) : row[j] == top) {
-          found = j;
-          break;
-        }
-      }
-      o[r] = found;
-    }
+    for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(lg + r * vocab, vocab);
   });
   return out;
 }

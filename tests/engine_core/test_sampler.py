@@ -18,9 +18,12 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+import kernels.sampling
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.sampler import SamplingRow, sample
+from engine_core.token_history import TokenHistory
+from kernels.cpu_ops import load_cpu_ops
 from protocol.messages import AddRequest
 from protocol.sampling_params import SamplingParams, SamplingParamsError
 from tests.engine_core.helpers import (
@@ -130,80 +133,197 @@ def test_top_k_1_equals_greedy(engine: EngineCore) -> None:
 # ---------------------------------------------------------------------------
 
 VOCAB = 24
-NUM_DRAWS = 4000
+NUM_DRAWS = 20_000
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The compiled sampling kernels, or their plain-torch references."""
+    if request.param == "compiled" and load_cpu_ops() is None:
+        pytest.skip("no compiled CPU kernels")
+    if request.param == "torch":
+        monkeypatch.setattr(kernels.sampling, "load_cpu_ops", lambda: None)
+    return str(request.param)
 
 
 def draw(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int] | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: list[int] | None = None,
+    output_ids: list[int] | None = None,
+    num_draws: int = NUM_DRAWS,
 ) -> torch.Tensor:
-    """NUM_DRAWS samples of one distribution → counts per token [VOCAB]."""
-    row = SamplingRow(params, None, prompt_ids or [], [], eos_token_ids=())
-    batch = logits.expand(NUM_DRAWS, VOCAB).clone()  # [NUM_DRAWS, VOCAB]
-    token_ids, _ = sample(batch, [row] * NUM_DRAWS)
-    return torch.bincount(torch.tensor(token_ids), minlength=VOCAB)
+    """num_draws samples of one distribution → counts per token [vocab]."""
+    history = TokenHistory()
+    prompt, output = prompt_ids or [], output_ids or []
+    slot = history.add(prompt + output, len(prompt))
+    row = SamplingRow(params, output, eos_token_ids=(), history_slot=slot)
+    batch = logits.expand(num_draws, logits.shape[0]).clone()  # [num_draws, vocab]
+    token_ids, _ = sample(batch, [row] * num_draws, history)
+    return torch.bincount(torch.tensor(token_ids), minlength=logits.shape[0])
 
 
-def hf_probs(logits: torch.Tensor, warpers: list[object]) -> torch.Tensor:
+def hf_probs(
+    logits: torch.Tensor, warpers: list[object], input_ids: list[int] | None = None
+) -> torch.Tensor:
     scores = logits[None, :].clone()
-    input_ids = torch.zeros((1, 1), dtype=torch.long)
+    ids = torch.tensor([input_ids or [0]])
     for warper in warpers:
-        scores = warper(input_ids, scores)  # type: ignore[operator]
-    return torch.softmax(scores[0], dim=-1)
+        scores = warper(ids, scores)  # type: ignore[operator]
+    return torch.softmax(scores[0].double(), dim=-1)
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against probs; bins expecting
+    fewer than 5 draws are pooled."""
+    n = int(counts.sum())
+    expected = probs.double() * n
+    big = expected >= 5
+    observed, exp = counts[big].double(), expected[big]
+    if float(expected[~big].sum()) > 0:
+        observed = torch.cat([observed, counts[~big].sum().double()[None]])
+        exp = torch.cat([exp, expected[~big].sum()[None]])
+    stat = float(((observed - exp) ** 2 / exp).sum())
+    dof = len(exp) - 1
+    if dof < 1:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def assert_follows(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    """Nothing outside the expected support, and frequencies that a
+    chi-square test does not reject (the draws are seeded: no flakes)."""
+    assert int(counts[expected == 0].sum()) == 0, "drew a token the filters remove"
+    p_value = chi_square_p(counts, expected)
+    assert p_value > 1e-3, f"chi-square p = {p_value:.2e}"
+
+
+# (vocab, params, transformers' warpers for the same setting)
+WARPER_CASES = [
+    (VOCAB, SamplingParams(), []),  # the defaults: temperature 1, no filter
+    (VOCAB, SamplingParams(temperature=0.7), [TemperatureLogitsWarper(0.7)]),
+    (
+        VOCAB,
+        SamplingParams(temperature=0.8, top_p=0.95),
+        [TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.95)],
+    ),
+    (VOCAB, SamplingParams(top_k=5), [TopKLogitsWarper(5)]),
+    (300, SamplingParams(top_k=50), [TopKLogitsWarper(50)]),
+    (VOCAB, SamplingParams(top_p=0.6), [TopPLogitsWarper(0.6)]),
+    (VOCAB, SamplingParams(min_p=0.2), [MinPLogitsWarper(0.2)]),
+    (300, SamplingParams(min_p=0.05), [MinPLogitsWarper(0.05)]),
+    (
+        VOCAB,
+        SamplingParams(temperature=1.4, top_k=10, top_p=0.8, min_p=0.1),
+        [
+            TemperatureLogitsWarper(1.4),
+            TopKLogitsWarper(10),
+            TopPLogitsWarper(0.8),
+            MinPLogitsWarper(0.1),
+        ],
+    ),
+    (
+        1000,
+        SamplingParams(temperature=0.9, top_p=0.7, min_p=0.01),
+        [TemperatureLogitsWarper(0.9), TopPLogitsWarper(0.7), MinPLogitsWarper(0.01)],
+    ),
+]
 
 
 @pytest.mark.parametrize(
-    ("params", "warpers"),
-    [
-        (SamplingParams(temperature=0.7), [TemperatureLogitsWarper(0.7)]),
-        (SamplingParams(top_k=5), [TopKLogitsWarper(5)]),
-        (SamplingParams(top_p=0.6), [TopPLogitsWarper(0.6)]),
-        (SamplingParams(min_p=0.2), [MinPLogitsWarper(0.2)]),
-        (
-            SamplingParams(temperature=1.4, top_k=10, top_p=0.8, min_p=0.1),
-            [
-                TemperatureLogitsWarper(1.4),
-                TopKLogitsWarper(10),
-                TopPLogitsWarper(0.8),
-                MinPLogitsWarper(0.1),
-            ],
-        ),
+    ("vocab", "params", "warpers"),
+    WARPER_CASES,
+    ids=[
+        "defaults",
+        "temperature",
+        "t0.8-top_p0.95",
+        "top_k5",
+        "top_k50",
+        "top_p",
+        "min_p",
+        "min_p0.05",
+        "combined",
+        "top_p-min_p-1000",
     ],
-    ids=["temperature", "top_k", "top_p", "min_p", "combined"],
 )
 def test_sampling_distribution_matches_hf_warpers(
-    params: SamplingParams, warpers: list[object]
+    kernel_path: str, vocab: int, params: SamplingParams, warpers: list[object]
 ) -> None:
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(VOCAB, generator=generator) * 2.0
-    torch.manual_seed(1)  # unseeded rows draw from the global generator
-    counts = draw(logits, params)
-    expected = hf_probs(logits, warpers)
-    # Nothing outside HF's support, and frequencies within ~5 standard errors.
-    assert counts[expected == 0].sum() == 0
-    torch.testing.assert_close(counts / NUM_DRAWS, expected, atol=0.04, rtol=0)
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * 2.0
+    torch.manual_seed(1)  # unseeded rows are keyed from the global generator
+    assert_follows(draw(logits, params), hf_probs(logits, warpers))
 
 
-def test_repetition_penalty_matches_hf() -> None:
-    generator = torch.Generator().manual_seed(2)
-    logits = torch.randn(VOCAB, generator=generator) * 2.0
-    seen = logits.topk(4).indices.tolist()  # penalize the likeliest tokens
-    params = SamplingParams(temperature=1.0, repetition_penalty=1.8)
+def test_penalties_match_hf_and_openai(kernel_path: str) -> None:
+    """Repetition penalty as transformers' processor (prompt and output
+    tokens), then frequency and presence as OpenAI defines them (output
+    tokens: logit - count * frequency - (count > 0) * presence)."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2)) * 2.0
+    likely = logits.topk(6).indices.tolist()
+    prompt, output = likely[:3], [likely[3], likely[3], likely[4], likely[0]]
+    params = SamplingParams(repetition_penalty=1.8, frequency_penalty=0.4, presence_penalty=0.3)
     torch.manual_seed(3)
-    counts = draw(logits, params, prompt_ids=seen)
-    processor = RepetitionPenaltyLogitsProcessor(1.8)
-    scores = processor(torch.tensor([seen]), logits[None, :].clone())
-    torch.testing.assert_close(counts / NUM_DRAWS, torch.softmax(scores[0], -1), atol=0.04, rtol=0)
+    counts = draw(logits, params, prompt_ids=prompt, output_ids=output)
+    scores = RepetitionPenaltyLogitsProcessor(1.8)(
+        torch.tensor([prompt + output]), logits[None, :].clone()
+    )[0]
+    occurrences = torch.bincount(torch.tensor(output), minlength=VOCAB).float()
+    scores = scores - 0.4 * occurrences - 0.3 * (occurrences > 0).float()
+    assert_follows(counts, torch.softmax(scores.double(), dim=-1))
+
+
+def test_seeded_rows_follow_the_distribution(kernel_path: str) -> None:
+    """Rows of distinct seeds are independent draws of the same distribution."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(6)) * 2.0
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.9, top_p=0.9, seed=s), [], ())
+        for s in range(NUM_DRAWS)
+    ]
+    token_ids, _ = sample(logits.expand(NUM_DRAWS, VOCAB).clone(), rows)
+    counts = torch.bincount(torch.tensor(token_ids), minlength=VOCAB)
+    expected = hf_probs(logits, [TemperatureLogitsWarper(0.9), TopPLogitsWarper(0.9)])
+    assert_follows(counts, expected)
+
+
+def test_a_mixed_batch_samples_each_row_by_its_own_settings(kernel_path: str) -> None:
+    """Greedy, default, top-k, top-p, min-p, penalized and seeded rows in one batch."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(8)) * 2.0
+    history = TokenHistory()
+    seen = logits.topk(2).indices.tolist()
+    slot = history.add(seen, len(seen))
+    kinds: list[tuple[SamplingParams, list[object], int]] = [
+        (SamplingParams(temperature=0.0), [], -1),
+        (SamplingParams(), [], -1),
+        (SamplingParams(top_k=4), [TopKLogitsWarper(4)], -1),
+        (
+            SamplingParams(temperature=0.8, top_p=0.7),
+            [TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.7)],
+            -1,
+        ),
+        (SamplingParams(min_p=0.3), [MinPLogitsWarper(0.3)], -1),
+        (SamplingParams(repetition_penalty=1.5), [RepetitionPenaltyLogitsProcessor(1.5)], slot),
+    ]
+    per_kind = 6000
+    rows = [
+        SamplingRow(params, [], (), history_slot=hs) for params, _, hs in kinds
+    ] * per_kind  # interleaved: row i is kind i % len(kinds)
+    torch.manual_seed(9)
+    token_ids, _ = sample(logits.expand(len(rows), VOCAB).clone(), rows, history)
+    tokens = torch.tensor(token_ids).view(per_kind, len(kinds))
+    assert bool((tokens[:, 0] == logits.argmax()).all())
+    for j, (_, warpers, _) in enumerate(kinds[1:], start=1):
+        counts = torch.bincount(tokens[:, j], minlength=VOCAB)
+        assert_follows(counts, hf_probs(logits, warpers, input_ids=seen))
 
 
 def test_logit_bias_and_seeded_rows() -> None:
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
-    biased = SamplingRow(SamplingParams(temperature=0.0, logit_bias={7: 100.0}), None, [], [], ())
+    biased = SamplingRow(SamplingParams(temperature=0.0, logit_bias={7: 100.0}), [], ())
     token_ids, _ = sample(logits, [biased, biased])
     assert token_ids == [7, 7]
 
     def seeded_row(seed: int) -> SamplingRow:
-        g = torch.Generator().manual_seed(seed)
-        return SamplingRow(SamplingParams(temperature=1.0, seed=seed), g, [], [], ())
+        return SamplingRow(SamplingParams(temperature=1.0, seed=seed), [], ())
 
     first, _ = sample(logits, [seeded_row(5), seeded_row(6)])
     # Row order and neighbours do not change a seeded row's draw.
