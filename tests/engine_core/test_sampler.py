@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
 import kernels.sampling
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
+from engine_core.model_runner import ModelRunner
 from engine_core.sampler import SamplingRow, sample
 from engine_core.token_history import TokenHistory
 from kernels.cpu_ops import load_cpu_ops
@@ -106,6 +107,13 @@ def test_seeded_sampling_does_not_depend_on_the_batch(
     num_starts = sum(n.request_id == "x" for plan in squeezed.plans for n in plan.new_requests)
     assert num_starts > 1, "x was never preempted"
     assert squeezed.records["x"].token_ids == tokens
+    # Token history rows belong to penalized requests the runner still holds
+    # (it hears of the last finished ones with the next plan): none leak.
+    for core in (engine, small):
+        runner = core.executor.runner
+        assert isinstance(runner, ModelRunner)
+        held = [s.history_slot for s in runner.requests.values() if s.history_slot >= 0]
+        assert runner.history.num_used == len(held) == len(set(held))
 
     # And the seed matters: other seeds draw other tokens.
     others = run_to_completion(
@@ -314,6 +322,24 @@ def test_a_mixed_batch_samples_each_row_by_its_own_settings(kernel_path: str) ->
     for j, (_, warpers, _) in enumerate(kinds[1:], start=1):
         counts = torch.bincount(tokens[:, j], minlength=VOCAB)
         assert_follows(counts, hf_probs(logits, warpers, input_ids=seen))
+
+
+def test_token_history_grows_and_reuses_rows() -> None:
+    history = TokenHistory(num_rows=2, width=4)
+    a = history.add([5, 6, 7], 2)
+    b = history.add([1], 1)
+    c = history.add(list(range(10)), 10)  # a third row and a wider one
+    for t in range(6):
+        history.append(a, 100 + t)
+    assert history.token_ids(a) == [5, 6, 7, 100, 101, 102, 103, 104, 105]
+    assert history.token_ids(b) == [1] and history.token_ids(c) == list(range(10))
+    assert history.prompt_lens[a] == 2 and history.num_used == 3
+    history.release(b)
+    assert history.add([9, 9], 2) == b and history.token_ids(b) == [9, 9]
+    ids = history.tensor()
+    assert ids.dtype == torch.int32 and ids[a, :9].tolist() == history.token_ids(a)
+    history.clear()
+    assert history.num_used == 0
 
 
 def test_logit_bias_and_seeded_rows() -> None:
