@@ -83,7 +83,8 @@ def requests(engine: EngineCore, temperature: float = 0.0) -> list[AddRequest]:
             params = SamplingParams(
                 temperature=temperature,
                 seed=i if temperature else None,
-                max_tokens=32,
+                # The schema's longest object is ~35 tokens: room to close it.
+                max_tokens=48,
                 structured_outputs=constraint,
             )
             out.append(AddRequest(f"{kind}-{i}", ids, params, 0.0))
