@@ -9,6 +9,8 @@ import shutil
 import signal
 import sys
 
+import setproctitle
+
 from engine_core.addresses import default_ipc_address, split_address
 from engine_core.args import add_engine_args, engine_config_from_args
 
@@ -29,7 +31,17 @@ def main(argv: list[str] | None = None) -> int:
         "DIR/clients (make DIR with: pagoda curve-keys DIR); without it tcp binds to loopback",
     )
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=None,
+        help="this engine core's rank among data-parallel ones (shown in its process title)",
+    )
     ns = parser.parse_args(argv)
+    # What ps and top show: the role first, then the flags it was started with.
+    rank = "" if ns.data_parallel_rank is None else f"-{ns.data_parallel_rank}"
+    flags = sys.argv[1:] if argv is None else argv
+    setproctitle.setproctitle(" ".join([f"pagoda::engine-core{rank}", *flags]))
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

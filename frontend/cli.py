@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import setproctitle
 import uvicorn
 
 from frontend.api.tool_calls import TOOL_CALL_PARSERS
@@ -296,10 +297,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="the CURVE keys of a tcp engine core started with --curve-keys",
     )
+    parser.add_argument(
+        "--api-server-index",
+        type=int,
+        default=0,
+        help="this API server's index among those of one deployment (shown in its process title)",
+    )
     add_frontend_args(parser)
     ns = parser.parse_args(argv)
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    # What ps and top show: the role first, then the flags it was started with.
+    flags = sys.argv[1:] if argv is None else argv
+    setproctitle.setproctitle(" ".join([f"pagoda::api-server-{ns.api_server_index}", *flags]))
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -43,6 +43,8 @@ def _serve(ns: argparse.Namespace) -> int:
         engine_flags += ["--num-threads", str(threads)]
     for i, engine_address in enumerate(addresses):
         engine_argv = [python, "-m", "engine_core.cli", "--address", engine_address, *engine_flags]
+        if len(addresses) > 1:
+            engine_argv += ["--data-parallel-rank", str(i)]
         name = "engine-core" if len(addresses) == 1 else f"engine-core {i}"
         engines.append((name, subprocess.Popen(engine_argv, preexec_fn=die_with_parent())))
     api_argv = [
@@ -64,7 +66,9 @@ def _serve(ns: argparse.Namespace) -> int:
         metrics_dir = tempfile.mkdtemp(prefix="pagoda-metrics-")
         api_env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     for i in range(ns.api_server_count):
-        api_server = subprocess.Popen(api_argv, env=api_env, preexec_fn=die_with_parent())
+        api_server = subprocess.Popen(
+            [*api_argv, "--api-server-index", str(i)], env=api_env, preexec_fn=die_with_parent()
+        )
         api_servers.append((f"api-server {i}", api_server))
 
     stopping = False

@@ -1,5 +1,6 @@
-"""Sampling kernels: a token per row from one uniform number, penalties from
-token histories, and counter-based uniforms for seeded requests.
+"""Sampling kernels: a token per row by a race over a few hundred draws,
+penalties from token histories, and counter-based uniforms for seeded
+requests.
 
 Each launcher runs the compiled CPU op (kernels/csrc/sampling.h) when it is
 built and the tensors are float32 on the CPU, and otherwise its plain-torch

@@ -31,6 +31,16 @@ SETTINGS = {
 }
 
 
+def row_params(rows: int, t: float, k: int, p: float, m: float) -> tuple[torch.Tensor, ...]:
+    """One setting for every row: temperature, top_k, top_p, min_p tensors."""
+    return (
+        torch.full((rows,), t),
+        torch.full((rows,), k, dtype=torch.int64),
+        torch.full((rows,), p),
+        torch.full((rows,), m),
+    )
+
+
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
@@ -62,25 +72,14 @@ def main() -> None:
     print(f"{rows} x {vocab} logits, spread {args.spread}, {torch.get_num_threads()} threads")
     greedy = median_ms(lambda: cpu_ops.argmax_rows(logits), args.repeats)
     print(f"  {'greedy (compiled row argmax)':44s} {greedy:7.3f} ms")
-    for name, (t, k, p, m) in SETTINGS.items():
-        params = (
-            torch.full((rows,), t),
-            torch.full((rows,), k, dtype=torch.int64),
-            torch.full((rows,), p),
-            torch.full((rows,), m),
-        )
+    for name, setting in SETTINGS.items():
+        params = row_params(rows, *setting)
         ms = median_ms(
             lambda params=params: sampling.sample_rows(logits, *params, seeds, counters),
             args.repeats,
         )
         print(f"  {name:44s} {ms:7.3f} ms  ({ms / greedy:.2f}x greedy)")
-    t, k, p, m = SETTINGS["temperature 0.8, top_k 50, top_p 0.95"]
-    params = (
-        torch.full((rows,), t),
-        torch.full((rows,), k, dtype=torch.int64),
-        torch.full((rows,), p),
-        torch.full((rows,), m),
-    )
+    params = row_params(rows, *SETTINGS["temperature 0.8, top_k 50, top_p 0.95"])
     ref = median_ms(
         lambda: sampling.sample_rows_reference(logits, *params, seeds, counters),
         max(3, args.repeats // 10),

@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from frontend.api.body_guard import BodyGuard
-from frontend.api.common import as_api_error, now, unavailable
+from frontend.api.common import as_api_error, unavailable
 from frontend.api.errors import (
     APIError,
     error_response,
@@ -39,16 +39,14 @@ from frontend.api.serving_anthropic import build_router as build_anthropic_route
 from frontend.api.serving_chat import ChatServer
 from frontend.api.serving_completion import CompletionServer
 from frontend.api.serving_lora import build_router as build_lora_router
-from frontend.api.serving_lora import lora_card
+from frontend.api.serving_models import VERSION
+from frontend.api.serving_models import build_router as build_models_router
 from frontend.api.serving_pooling import POOLING_PATHS, EmbeddingRequest, PoolingServer
 from frontend.api.serving_pooling import build_router as build_pooling_router
 from frontend.api.serving_responses import build_router as build_responses_router
 from frontend.api.serving_tokenize import build_router as build_tokenize_router
 from frontend.async_llm import AsyncLLM
-from frontend.engine_client import EngineDeadError, UtilityError
 from frontend.metrics import EngineStatsCollector, FrontendMetrics
-
-VERSION = "0.1.0"
 
 _CHAT_REF = {"$ref": "#/components/schemas/ChatCompletionRequest"}
 _BATCH_BODY = {
@@ -147,45 +145,6 @@ def build_app(
             return await work()
         except Exception as e:  # noqa: BLE001 - every failure gets the API's error shape
             return as_api_error(e).response()
-
-    @app.get("/health")
-    async def health() -> Response:
-        if await engine.check_health():
-            return Response(status_code=200)
-        return APIError(503, "the engine core is not available").response()
-
-    @app.get("/ping")
-    async def ping() -> Response:
-        return await health()
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": VERSION}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        adapters: list[dict[str, Any]] = []
-        if engine.ready.enable_lora:
-            try:
-                adapters = [lora_card(i, served[0]) for i in await engine.list_loras()]
-            except (UtilityError, EngineDeadError, TimeoutError):
-                adapters = []  # the base model is still worth listing
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "pagoda",
-                    "root": engine.ready.model_path,
-                    "parent": None,
-                    "max_model_len": engine.ready.max_model_len,
-                }
-                for name in served
-            ]
-            + adapters,
-        }
 
     in_flight = {"count": 0}
     app.state.draining = False
@@ -317,6 +276,7 @@ def build_app(
             400, "expected a chat (messages), completions (prompt) or embeddings (input) body"
         )
 
+    app.include_router(build_models_router(engine, served))
     app.include_router(build_tokenize_router(engine, served, chat))
     if engine.ready.enable_lora:
         app.include_router(build_lora_router(engine, served))

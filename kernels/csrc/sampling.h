@@ -211,26 +211,31 @@ inline double exponential(const RowParams& rp, uint32_t round, uint32_t index) {
   return -std::log1p(-philox_uniform(rp.seed, rp.counter, round, index));
 }
 
+// The block whose sum wins the race among blocks. -1 if every sum is 0.
+inline int64_t race_blocks(const double* sums, int64_t nblocks, const RowParams& rp,
+                           uint32_t round) {
+  int64_t winner = -1;
+  double best = -1.0;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    if (!(sums[blk] > 0.0)) continue;
+    const double score = sums[blk] / exponential(rp, round, kBlockIndex | uint32_t(blk));
+    if (score > best) {
+      best = score;
+      winner = blk;
+    }
+  }
+  return winner;
+}
+
 // The winner of the race among entries with p > above (blocks: their block
 // sums): first among blocks, then inside the winning block. -1 if none.
 inline int64_t race(const float* p, int64_t n, float above, const double* blocks,
                     const RowParams& rp, uint32_t round) {
-  const int64_t nblocks = (n + kSampleBlock - 1) / kSampleBlock;
-  int64_t best_block = -1;
-  double best = -1.0;
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    if (!(blocks[blk] > 0.0)) continue;
-    const double score = blocks[blk] / exponential(rp, round, kBlockIndex | uint32_t(blk));
-    if (score > best) {
-      best = score;
-      best_block = blk;
-    }
-  }
-  if (best_block < 0) return -1;
-  const int64_t b0 = best_block * kSampleBlock, b1 = std::min(n, b0 + kSampleBlock);
+  const int64_t blk = race_blocks(blocks, (n + kSampleBlock - 1) / kSampleBlock, rp, round);
+  if (blk < 0) return -1;
   int64_t winner = -1;
-  best = -1.0;
-  for (int64_t j = b0; j < b1; ++j) {
+  double best = -1.0;
+  for (int64_t j = blk * kSampleBlock; j < std::min(n, (blk + 1) * kSampleBlock); ++j) {
     if (!(p[j] > above)) continue;
     const double score = p[j] / exponential(rp, round, static_cast<uint32_t>(j));
     if (score > best) {
@@ -247,20 +252,11 @@ inline int64_t race(const std::vector<Entry>& entries, int64_t nblocks, const Ro
                     uint32_t round, std::vector<double>& sums) {
   sums.assign(nblocks, 0.0);
   for (const auto& [v, j] : entries) sums[j / kSampleBlock] += v;
-  int64_t best_block = -1;
-  double best = -1.0;
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    if (!(sums[blk] > 0.0)) continue;
-    const double score = sums[blk] / exponential(rp, round, kBlockIndex | uint32_t(blk));
-    if (score > best) {
-      best = score;
-      best_block = blk;
-    }
-  }
+  const int64_t blk = race_blocks(sums.data(), nblocks, rp, round);
   int64_t winner = -1;
-  best = -1.0;
-  for (const auto& [v, j] : entries) {  // entries of one block come in any order: ties go to the lower id
-    if (j / kSampleBlock != best_block || !(v > 0.0f)) continue;
+  double best = -1.0;
+  for (const auto& [v, j] : entries) {  // in any order: ties go to the lower id
+    if (j / kSampleBlock != blk || !(v > 0.0f)) continue;
     const double score = v / exponential(rp, round, static_cast<uint32_t>(j));
     if (score > best || (score == best && j < winner)) {
       best = score;
@@ -417,7 +413,7 @@ inline int64_t sample_row(const float* x, int64_t n, const RowParams& rp, Sample
 // ---------------------------------------------------------------------------
 // Launchers.
 
-// uniforms[i] = Philox4x32-10 keyed by seeds[i] at counters[i], in [0, 1).
+// uniforms[i] = Philox4x32-10 keyed by seeds[i] at (counters[i], 0, 0), in [0, 1).
 torch::Tensor philox_uniforms(torch::Tensor seeds, torch::Tensor counters) {
   TORCH_CHECK(seeds.scalar_type() == at::kLong && counters.scalar_type() == at::kLong &&
                   seeds.dim() == 1 && seeds.sizes() == counters.sizes(),

@@ -33,6 +33,7 @@ from tests.engine_core.helpers import (
     random_prompts,
     run_to_completion,
 )
+from tests.statistics import chi_square_p
 
 
 def tiny_engine(model: Path, **overrides: object) -> EngineCore:
@@ -179,23 +180,6 @@ def hf_probs(
     for warper in warpers:
         scores = warper(ids, scores)  # type: ignore[operator]
     return torch.softmax(scores[0].double(), dim=-1)
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square test of counts against probs; bins expecting
-    fewer than 5 draws are pooled."""
-    n = int(counts.sum())
-    expected = probs.double() * n
-    big = expected >= 5
-    observed, exp = counts[big].double(), expected[big]
-    if float(expected[~big].sum()) > 0:
-        observed = torch.cat([observed, counts[~big].sum().double()[None]])
-        exp = torch.cat([exp, expected[~big].sum()[None]])
-    stat = float(((observed - exp) ** 2 / exp).sum())
-    dof = len(exp) - 1
-    if dof < 1:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
 
 
 def assert_follows(counts: torch.Tensor, expected: torch.Tensor) -> None:

@@ -175,8 +175,10 @@ def is_gone(pid: int) -> bool:
 
 
 def cmdline(pid: int) -> list[str]:
+    """A process's command line as words: Pagoda's processes show their role
+    first (their process title), then their flags, in one string."""
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().decode().split("\0")
+        return f.read().decode().replace("\0", " ").split()
 
 
 @dataclass

@@ -168,7 +168,7 @@ def test_an_idle_api_server_keeps_hearing_an_engine_busy_for_another(server: Ser
 
 def _engine_and_api_pids(pagoda_pid: int) -> tuple[int, list[int]]:
     children = child_pids(pagoda_pid)
-    engine = [pid for pid in children if "engine_core.cli" in cmdline(pid)]
+    engine = [pid for pid in children if cmdline(pid)[0] == "pagoda::engine-core"]
     assert len(engine) == 1, children
     return engine[0], [pid for pid in children if pid != engine[0]]
 

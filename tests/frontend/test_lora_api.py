@@ -75,6 +75,8 @@ def test_models_list_adapters(base: str, adapters: dict[str, Path]) -> None:
     assert cards["a"]["root"] == str(adapters["a"])
     assert cards["a"]["parent"] == MODEL_NAME
     assert cards[MODEL_NAME]["parent"] is None
+    one = httpx.get(f"{base}/v1/models/a").json()  # retrieve: an adapter's own card
+    assert one["id"] == "a" and one["parent"] == MODEL_NAME
 
 
 def test_adapter_is_picked_by_model_name(base: str) -> None:

@@ -16,6 +16,7 @@ from tests.frontend.servers import (
     Processes,
     api_argv,
     child_pids,
+    cmdline,
     free_port,
     is_gone,
     start_pagoda,
@@ -79,6 +80,11 @@ def test_pagoda_serve_two_api_servers_and_sigterm_stops_all() -> None:
         wait_pagoda_healthy(f"http://127.0.0.1:{port}", pagoda)
         children = child_pids(proc.pid)
         assert len(children) == 3  # one engine core, two API servers
+        # ps and top tell them apart by their process titles.
+        titles = sorted(cmdline(pid)[0] for pid in children)
+        assert titles == ["pagoda::api-server-0", "pagoda::api-server-1", "pagoda::engine-core"]
+        engine = next(pid for pid in children if cmdline(pid)[0] == "pagoda::engine-core")
+        assert "--address" in cmdline(engine)  # its flags follow the title
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         generated = 0
         for _ in range(3):  # connections spread over both API servers

@@ -80,7 +80,21 @@ def test_sagemaker_invocations_and_load(server: Server) -> None:
     wrong = post(server, "/invocations", {"messages": "x"})
     assert wrong.status_code == 400
     assert httpx.get(server.base_url + "/ping").status_code == 200
+    assert httpx.post(server.base_url + "/ping").status_code == 200  # SageMaker probes both
     assert httpx.get(server.base_url + "/load").json() == {"server_load": 0}
+
+
+def test_retrieve_one_model(server: Server) -> None:
+    """GET /v1/models/{model}: OpenAI's retrieve, by the official client too."""
+    card = httpx.get(f"{server.v1}/models/{MODEL_NAME}").json()
+    assert card["id"] == MODEL_NAME and card["object"] == "model" and card["parent"] is None
+    client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    missing = httpx.get(f"{server.v1}/models/no-such-model")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_chat_batch_keeps_order_and_isolates_failures(server: Server) -> None:

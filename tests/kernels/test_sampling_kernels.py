@@ -14,6 +14,7 @@ import torch
 
 from kernels import sampling
 from kernels.cpu_ops import load_cpu_ops
+from tests.statistics import chi_square_p
 
 needs_ops = pytest.mark.skipif(load_cpu_ops() is None, reason="no compiled CPU kernels")
 
@@ -133,24 +134,6 @@ def test_rejection_draws_follow_the_nucleus(top_p: float) -> None:
     counts = torch.bincount(got, minlength=vocab)
     assert int(counts[want == 0].sum()) == 0
     assert chi_square_p(counts, want) > 1e-3
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square test of counts against probs; bins expecting
-    fewer than 5 draws are pooled."""
-    n = int(counts.sum())
-    expected = probs.double() * n
-    big = expected >= 5
-    observed = counts[big].double()
-    exp = expected[big]
-    if float(expected[~big].sum()) > 0:
-        observed = torch.cat([observed, counts[~big].sum().double()[None]])
-        exp = torch.cat([exp, expected[~big].sum()[None]])
-    stat = float(((observed - exp) ** 2 / exp).sum())
-    dof = len(exp) - 1
-    if dof < 1:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
 
 
 @needs_ops
