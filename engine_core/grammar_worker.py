@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
-    from engine_core.structured_output import compile_with, describe_error
+    from engine_core.grammar_compile import compile_with, describe_error
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_path)
     info = xgr.TokenizerInfo.from_huggingface(
