@@ -1,9 +1,10 @@
 """ModelRunner: owns the weights and the paged KV cache, runs one plan.
 
 It keeps a small state per request it has seen (token ids, block table,
-the penalized ones' token history), applies the plan's diffs to it, flattens the batch into
-tensors (token ids, positions, slot mapping, block tables), runs the model
-and samples. It never sees scheduler objects.
+and for penalized requests a row of the token history), applies the plan's
+diffs to it, flattens the batch into tensors (token ids, positions, slot
+mapping, block tables), runs the model and samples. It never sees scheduler
+objects.
 """
 
 from __future__ import annotations
