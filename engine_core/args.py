@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine_core.config import EngineConfig
+from pagoda.engine_core.config import EngineConfig
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:

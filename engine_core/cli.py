@@ -11,8 +11,8 @@ import sys
 
 import setproctitle
 
-from engine_core.addresses import default_ipc_address, split_address
-from engine_core.args import add_engine_args, engine_config_from_args
+from pagoda.engine_core.args import add_engine_args, engine_config_from_args
+from pagoda.protocol.addresses import default_ipc_address, split_address
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    from engine_core.engine import EngineCore
-    from engine_core.model_config import ModelLoadError
-    from engine_core.server import EngineCoreServer
+    from pagoda.engine_core.core.engine import EngineCore
+    from pagoda.engine_core.model_config import ModelLoadError
+    from pagoda.engine_core.server import EngineCoreServer
 
     try:
         engine = EngineCore(config)

@@ -134,7 +134,7 @@ def resolve_model_path(model: str | None) -> str:
 def load_model_config(path: str) -> ModelConfig:
     if not path.endswith(".gguf"):
         return _config_from_hf_dir(path)
-    from engine_core import gguf_cache
+    from pagoda.engine_core.loaders import gguf_cache
 
     cached = gguf_cache.load_cached_config(path)
     if cached is not None:

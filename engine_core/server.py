@@ -25,12 +25,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine_core.addresses import split_address
-from engine_core.curve import bind_address, secure_server
-from engine_core.engine import EngineCore
-from engine_core.engine_utilities import EngineBusyError
-from engine_core.lora_manager import LoRAError
-from protocol.messages import (
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.core.engine_utilities import EngineBusyError
+from pagoda.engine_core.core.lora_manager import LoRAError
+from pagoda.protocol.addresses import split_address
+from pagoda.protocol.curve import bind_address, secure_server
+from pagoda.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     AddRequest,

@@ -13,8 +13,8 @@ import logging
 import os
 from pathlib import Path
 
-from engine_core.envs import cache_root
-from engine_core.model_config import ModelLoadError
+from pagoda.engine_core.model_config import ModelLoadError
+from pagoda.protocol.envs import cache_root
 
 logger = logging.getLogger(__name__)
 

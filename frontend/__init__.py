@@ -6,13 +6,13 @@ only when it is constructed.
 
 from typing import TYPE_CHECKING, Any
 
-from frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from protocol.messages import LoRARequest
-from protocol.sampling_params import SamplingParams
+from pagoda.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.protocol.messages import LoRARequest
+from pagoda.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from frontend.async_llm import AsyncLLM
-    from frontend.llm import LLM
+    from pagoda.frontend.async_llm import AsyncLLM
+    from pagoda.frontend.llm import LLM
 
 __all__ = [
     "LLM",
@@ -28,11 +28,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import frontend` stays cheap for the API server.
     if name == "LLM":
-        from frontend.llm import LLM
+        from pagoda.frontend.llm import LLM
 
         return LLM
     if name == "AsyncLLM":
-        from frontend.async_llm import AsyncLLM
+        from pagoda.frontend.async_llm import AsyncLLM
 
         return AsyncLLM
     raise AttributeError(name)

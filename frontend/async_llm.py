@@ -24,19 +24,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from frontend.dp_client import DPClient
-from frontend.engine_client import AsyncMPClient, EngineDeadError
-from frontend.output_processor import OutputKind, RequestState
-from frontend.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
-from frontend.pooling import floats_from_bytes
-from frontend.processor import Processor, PromptType
-from frontend.tokenizer import Tokenizer
-from protocol.messages import LoRARequest, RequestDelta
-from protocol.pooling_params import PoolingParams
-from protocol.sampling_params import SamplingParams
+from pagoda.frontend.dp_client import DPClient
+from pagoda.frontend.engine_client import AsyncMPClient, EngineDeadError
+from pagoda.frontend.output_processor import OutputKind, RequestState
+from pagoda.frontend.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagoda.frontend.pooling import floats_from_bytes
+from pagoda.frontend.processor import Processor, PromptType
+from pagoda.frontend.tokenizer import Tokenizer
+from pagoda.protocol.messages import LoRARequest, RequestDelta
+from pagoda.protocol.pooling_params import PoolingParams
+from pagoda.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from frontend.metrics import FrontendMetrics
+    from pagoda.frontend.metrics import FrontendMetrics
 
 DeltaQueue = asyncio.Queue[tuple[int, RequestDelta | None, float]]
 
@@ -114,10 +114,10 @@ class AsyncLLM:
         **engine_args: Any,
     ) -> AsyncLLM:
         """Start an engine-core child process with these args and attach to it."""
-        from engine_core.addresses import default_ipc_address
+        from pagoda.protocol.addresses import default_ipc_address
 
         address = default_ipc_address()
-        argv = [sys.executable, "-m", "engine_core.cli", "--address", address]
+        argv = [sys.executable, "-m", "pagoda.engine_core.cli", "--address", address]
         if model is not None:
             argv += ["--model", model]
         for key, value in engine_args.items():
@@ -185,7 +185,7 @@ class AsyncLLM:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        from frontend.processor import ProcessedPrompt
+        from pagoda.frontend.processor import ProcessedPrompt
 
         if request_id in self._active:
             raise EngineRequestError(f"request id {request_id!r} is already in use")

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import setproctitle
 import uvicorn
 
-from frontend.api.tool_calls import TOOL_CALL_PARSERS
+from pagoda.frontend.api.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
-    from frontend.api.mcp_tools import ToolServer
+    from pagoda.frontend.api.mcp_tools import ToolServer
 
 
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
@@ -179,11 +179,11 @@ class _Server(uvicorn.Server):
 
 
 async def serve(ns: argparse.Namespace) -> int:
-    from engine_core.envs import api_key_from_env
-    from frontend.api.app import FrontendConfig, build_app
-    from frontend.async_llm import AsyncLLM
-    from frontend.engine_client import EngineDeadError
-    from frontend.http_protocol import header_timeout_protocol
+    from pagoda.frontend.api.app import FrontendConfig, build_app
+    from pagoda.frontend.async_llm import AsyncLLM
+    from pagoda.frontend.engine_client import EngineDeadError
+    from pagoda.frontend.http_protocol import header_timeout_protocol
+    from pagoda.protocol.envs import api_key_from_env
 
     log = logging.getLogger("api-server")
     keys = list(ns.api_key or [])
@@ -266,7 +266,7 @@ async def serve(ns: argparse.Namespace) -> int:
 
 async def _tool_servers(specs: list[str]) -> dict[str, ToolServer]:
     """--tool-server values, parsed and reached once (ValueError says which failed)."""
-    from frontend.api.mcp_tools import parse_tool_server, resolve
+    from pagoda.frontend.api.mcp_tools import parse_tool_server, resolve
 
     parsed = [parse_tool_server(s) for spec in specs for s in _split_specs(spec)]
     return await resolve(parsed) if parsed else {}

@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from frontend.engine_client import AsyncMPClient, EngineDeadError
-from protocol.messages import AddRequest, Ready, RequestDelta, SchedulerStats
+from pagoda.frontend.engine_client import AsyncMPClient, EngineDeadError
+from pagoda.protocol.messages import AddRequest, Ready, RequestDelta, SchedulerStats
 
 
 class DPClient:

@@ -20,9 +20,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from engine_core.addresses import split_address
-from engine_core.curve import secure_client
-from protocol.messages import (
+from pagoda.protocol.addresses import split_address
+from pagoda.protocol.curve import secure_client
+from pagoda.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
@@ -39,7 +39,7 @@ from protocol.messages import (
 )
 
 if TYPE_CHECKING:
-    from engine_core.config import EngineConfig
+    from pagoda.engine_core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class InprocClient:
     """Runs an EngineCore inside this process (used by the offline LLM)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine_core.engine import EngineCore  # torch lives behind this import
+        from pagoda.engine_core.core.engine import EngineCore  # torch lives behind this import
 
         self.engine = EngineCore(config)
         self.ready = self.engine.ready_message()

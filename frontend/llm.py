@@ -1,6 +1,6 @@
 """LLM: the offline batch SDK (vLLM's `LLM`).
 
-    from frontend import LLM, SamplingParams
+    from pagoda import LLM, SamplingParams
     llm = LLM()                      # the default model
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
@@ -21,9 +21,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from frontend.engine_client import InprocClient
-from frontend.output_processor import RequestState
-from frontend.outputs import (
+from pagoda.frontend.engine_client import InprocClient
+from pagoda.frontend.output_processor import RequestState
+from pagoda.frontend.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingOutput,
@@ -32,12 +32,12 @@ from frontend.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from frontend.pooling import cosine_similarity, floats_from_bytes, score_pairs
-from frontend.processor import Processor, PromptType
-from frontend.tokenizer import Tokenizer
-from protocol.messages import LoRARequest
-from protocol.pooling_params import PoolingParams
-from protocol.sampling_params import SamplingParams
+from pagoda.frontend.pooling import cosine_similarity, floats_from_bytes, score_pairs
+from pagoda.frontend.processor import Processor, PromptType
+from pagoda.frontend.tokenizer import Tokenizer
+from pagoda.protocol.messages import LoRARequest
+from pagoda.protocol.pooling_params import PoolingParams
+from pagoda.protocol.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -48,7 +48,7 @@ class LLM:
     def __init__(
         self, model: str | None = None, *, chat_template: str | None = None, **engine_args: Any
     ) -> None:
-        from engine_core.config import EngineConfig
+        from pagoda.engine_core.config import EngineConfig
 
         self.client = InprocClient(EngineConfig(model=model, **engine_args))
         self.ready = self.client.ready

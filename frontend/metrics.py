@@ -19,11 +19,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from protocol.messages import RequestTimings
+from pagoda.protocol.messages import RequestTimings
 
 if TYPE_CHECKING:
-    from frontend.dp_client import DPClient
-    from frontend.engine_client import AsyncMPClient
+    from pagoda.frontend.dp_client import DPClient
+    from pagoda.frontend.engine_client import AsyncMPClient
 
 _LATENCY_BUCKETS = (
     0.001,

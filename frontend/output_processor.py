@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from frontend.tokenizer import Tokenizer
-from protocol.messages import Logprobs, RequestDelta
-from protocol.sampling_params import SamplingParams
+from pagoda.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagoda.frontend.tokenizer import Tokenizer
+from pagoda.protocol.messages import Logprobs, RequestDelta
+from pagoda.protocol.sampling_params import SamplingParams
 
 OutputKind = Literal["cumulative", "delta", "final"]
 

@@ -19,11 +19,11 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from engine_core.addresses import default_ipc_address, dp_addresses
-from engine_core.args import add_engine_args, engine_args_to_argv
-from frontend.api.tool_calls import TOOL_CALL_PARSERS
-from frontend.cli import add_frontend_args, frontend_args_to_argv
-from frontend.run_batch import add_run_batch_args, run_batch
+from pagoda.engine_core.args import add_engine_args, engine_args_to_argv
+from pagoda.frontend.api.tool_calls import TOOL_CALL_PARSERS
+from pagoda.frontend.cli import add_frontend_args, frontend_args_to_argv
+from pagoda.frontend.run_batch import add_run_batch_args, run_batch
+from pagoda.protocol.addresses import default_ipc_address, dp_addresses
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -42,7 +42,14 @@ def _serve(ns: argparse.Namespace) -> int:
         threads = max(1, (os.cpu_count() or 1) // ns.data_parallel_size)
         engine_flags += ["--num-threads", str(threads)]
     for i, engine_address in enumerate(addresses):
-        engine_argv = [python, "-m", "engine_core.cli", "--address", engine_address, *engine_flags]
+        engine_argv = [
+            python,
+            "-m",
+            "pagoda.engine_core.cli",
+            "--address",
+            engine_address,
+            *engine_flags,
+        ]
         if len(addresses) > 1:
             engine_argv += ["--data-parallel-rank", str(i)]
         name = "engine-core" if len(addresses) == 1 else f"engine-core {i}"
@@ -50,7 +57,7 @@ def _serve(ns: argparse.Namespace) -> int:
     api_argv = [
         python,
         "-m",
-        "frontend.cli",
+        "pagoda.frontend.cli",
         "--engine",
         ",".join(addresses),
         *frontend_args_to_argv(ns),
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     keys.add_argument("directory")
     ns = parser.parse_args(argv)
     if ns.command == "curve-keys":
-        from engine_core.curve import generate_keys
+        from pagoda.protocol.curve import generate_keys
 
         try:
             root = generate_keys(ns.directory)

@@ -12,7 +12,7 @@ import math
 import sys
 from typing import TypeVar
 
-from protocol.sampling_params import SamplingParamsError
+from pagoda.protocol.sampling_params import SamplingParamsError
 
 T = TypeVar("T")
 

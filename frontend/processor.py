@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.output_processor import child_params, child_request_id
-from frontend.tokenizer import Tokenizer
-from protocol.messages import AddRequest, LoRARequest, Ready
-from protocol.pooling_params import PoolingParams
-from protocol.sampling_params import SamplingParams, SamplingParamsError
+from pagoda.frontend.output_processor import child_params, child_request_id
+from pagoda.frontend.tokenizer import Tokenizer
+from pagoda.protocol.messages import AddRequest, LoRARequest, Ready
+from pagoda.protocol.pooling_params import PoolingParams
+from pagoda.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
 

@@ -151,13 +151,13 @@ async def _run(ns: argparse.Namespace) -> int:
 async def _run_with_engine(
     ns: argparse.Namespace, lines: list[str], progress: bool
 ) -> list[dict[str, Any]]:
-    from engine_core.addresses import default_ipc_address
-    from engine_core.args import engine_args_to_argv
-    from frontend.api.app import FrontendConfig, build_app
-    from frontend.async_llm import AsyncLLM
+    from pagoda.engine_core.args import engine_args_to_argv
+    from pagoda.frontend.api.app import FrontendConfig, build_app
+    from pagoda.frontend.async_llm import AsyncLLM
+    from pagoda.protocol.addresses import default_ipc_address
 
     address = default_ipc_address()
-    argv = [sys.executable, "-m", "engine_core.cli", "--address", address]
+    argv = [sys.executable, "-m", "pagoda.engine_core.cli", "--address", address]
     process = subprocess.Popen([*argv, *engine_args_to_argv(ns)])
     try:
         engine = await AsyncLLM.connect(address, chat_template=ns.chat_template)

@@ -41,16 +41,26 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build_dir() -> Path:
-    from engine_core.envs import cache_root
+def _cache_root() -> Path:
+    """PAGODA_CACHE_DIR, else $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda.
 
+    The rule of protocol/envs.py, read here again because kernels/ imports
+    nothing else of Pagoda's.
+    """
+    base = os.environ.get("PAGODA_CACHE_DIR")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "pagoda"
+
+
+def _build_dir() -> Path:
     digest = hashlib.sha256()
     for path in sorted(_SOURCE.parent.iterdir()):  # the .cpp and its headers
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(torch.__version__.encode() + _cpu_flags().encode())
     digest.update(" ".join(_CFLAGS).encode())
     key = digest.hexdigest()[:16]
-    return cache_root() / "torch_extensions" / key
+    return _cache_root() / "torch_extensions" / key
 
 
 _MODULE_NAME = "pagoda_cpu_ops"

@@ -31,8 +31,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from kernels import cpu_ops
-from kernels.cpu_ops import load_cpu_ops
+from pagoda.kernels import cpu_ops
+from pagoda.kernels.cpu_ops import load_cpu_ops
 
 _NO_PROBS = torch.empty(0)
 

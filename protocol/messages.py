@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.pooling_params import PoolingParams
-from protocol.sampling_params import SamplingParams
+from pagoda.protocol.pooling_params import PoolingParams
+from pagoda.protocol.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.sampling_params import SamplingParamsError
+from pagoda.protocol.sampling_params import SamplingParamsError
 
 POOLING_TASKS = ("embed",)
 

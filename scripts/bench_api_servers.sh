@@ -12,7 +12,7 @@ PROMPTS=${PROMPTS:-400}
 PY=.venv/bin/python
 mkdir -p "$OUT"
 run() {  # $1 = api server count, $2 = round
-  $PY -m frontend.pagoda_cli serve --port "$PORT" --api-server-count "$1" > "$OUT/serve_n$1.log" 2>&1 &
+  $PY -m pagoda.frontend.pagoda_cli serve --port "$PORT" --api-server-count "$1" > "$OUT/serve_n$1.log" 2>&1 &
   local pid=$!
   until curl -sf -o /dev/null "http://127.0.0.1:$PORT/health"; do
     kill -0 $pid || { cat "$OUT/serve_n$1.log"; exit 1; }

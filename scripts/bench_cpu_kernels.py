@@ -37,12 +37,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from engine_core.attention import prefill_attention
-from engine_core.model_config import default_model_path, load_model_config
-from engine_core.models.llama import _apply_rope
-from engine_core.weights import load_gguf_blocks
-from kernels import cpu_ops
-from kernels.linear import BlockWeight, pack_weight, pairs_available
+from pagoda.engine_core.attention.cpu_backend import prefill_attention
+from pagoda.engine_core.loaders.weights import load_gguf_blocks
+from pagoda.engine_core.model_config import default_model_path, load_model_config
+from pagoda.engine_core.models.llama import _apply_rope
+from pagoda.kernels import cpu_ops
+from pagoda.kernels.linear import BlockWeight, pack_weight, pairs_available
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

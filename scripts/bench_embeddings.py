@@ -25,7 +25,7 @@ def main() -> None:
     import torch.nn.functional as F
     from transformers import AutoModel, AutoTokenizer
 
-    from frontend.llm import LLM
+    from pagoda.frontend.llm import LLM
 
     torch.set_num_threads(ns.num_threads)
     rng = random.Random(0)

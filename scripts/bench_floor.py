@@ -97,7 +97,7 @@ def pairs_kernel_gflops(rounds: int = 5) -> float | None:
     """The pairs kernel's best warm rate: 64 rows through a down projection."""
     import torch
 
-    from kernels import cpu_ops
+    from pagoda.kernels import cpu_ops
 
     if cpu_ops.load_cpu_ops() is None or not cpu_ops.has_bf16_pairs():
         return None
@@ -131,7 +131,7 @@ def model_shapes() -> dict[str, float]:
     per token, the head; per query-key pair and layer, attention's scores
     and weighted values over all heads; per cached position, the key/value
     bytes over all layers."""
-    from engine_core.model_config import default_model_path, load_model_config
+    from pagoda.engine_core.model_config import default_model_path, load_model_config
 
     c = load_model_config(default_model_path())
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

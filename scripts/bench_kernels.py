@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from engine_core.attention import decode_attention
-from kernels.cpu_ops import load_cpu_ops, paged_decode_attention
+from pagoda.engine_core.attention.cpu_backend import decode_attention
+from pagoda.kernels.cpu_ops import load_cpu_ops, paged_decode_attention
 
 
 def timed(fn: object, n: int = 20) -> float:

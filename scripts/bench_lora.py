@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.lora import add_lora, add_lora_reference, lora_groups
+from pagoda.kernels.lora import add_lora, add_lora_reference, lora_groups
 
 
 def timed(fn: Callable[[], object], n: int = 50) -> float:

@@ -15,7 +15,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   for mode in dense gguf; do
     args=()
     [ "$mode" = gguf ] && args=(--quantization gguf)
-    $PY -m frontend.pagoda_cli serve --port "$PORT" "${args[@]}" > "$OUT/quant_serve.log" 2>&1 &
+    $PY -m pagoda.frontend.pagoda_cli serve --port "$PORT" "${args[@]}" > "$OUT/quant_serve.log" 2>&1 &
     pid=$!
     until curl -sf -o /dev/null "http://127.0.0.1:$PORT/health"; do
       kill -0 $pid || { cat "$OUT/quant_serve.log"; exit 1; }

@@ -1,6 +1,6 @@
 """The sampling kernels against greedy's argmax, per setting, on one batch of logits.
 
-Times `kernels.sampling.sample_rows` (compiled) at each setting next to the
+Times `pagoda.kernels.sampling.sample_rows` (compiled) at each setting next to the
 compiled row argmax greedy uses, the plain-torch reference once, and the
 penalty kernel, on random logits of the default model's shape:
 
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
 
-    from kernels import cpu_ops, sampling
+    from pagoda.kernels import cpu_ops, sampling
 
     if cpu_ops.load_cpu_ops() is None:
         raise SystemExit("the compiled CPU kernels are not available here")

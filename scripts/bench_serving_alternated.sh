@@ -50,9 +50,9 @@ if [[ -n "${B_ARGS+set}" ]]; then
   first=a second=b
   read -ra a_args <<< "${A_ARGS:-}"
   read -ra b_args <<< "$B_ARGS"
-  $PY -m frontend.pagoda_cli serve --port "$VPORT" "${a_args[@]}" > "$OUT/a.log" 2>&1 &
+  $PY -m pagoda.frontend.pagoda_cli serve --port "$VPORT" "${a_args[@]}" > "$OUT/a.log" 2>&1 &
   vpid=$!
-  $PY -m frontend.pagoda_cli serve --port "$PPORT" "${b_args[@]}" > "$OUT/b.log" 2>&1 &
+  $PY -m pagoda.frontend.pagoda_cli serve --port "$PPORT" "${b_args[@]}" > "$OUT/b.log" 2>&1 &
   ppid=$!
 else
   first=vllm second=pagoda
@@ -62,7 +62,7 @@ else
     --model "$HF_DIR" --served-model-name smollm2 --host 127.0.0.1 --port "$VPORT" \
     --dtype bfloat16 > "$OUT/vllm.log" 2>&1 &
   vpid=$!
-  $PY -m frontend.pagoda_cli serve --port "$PPORT" > "$OUT/pagoda.log" 2>&1 &
+  $PY -m pagoda.frontend.pagoda_cli serve --port "$PPORT" > "$OUT/pagoda.log" 2>&1 &
   ppid=$!
 fi
 trap 'kill -TERM $vpid $ppid 2>/dev/null || true; wait' EXIT

@@ -10,7 +10,7 @@ PORT=${PORT:-8123}
 PY=.venv/bin/python
 mkdir -p "$OUT"
 start=$(date +%s.%N)
-$PY -m frontend.pagoda_cli serve --port "$PORT" "$@" > "$OUT/serve.log" 2>&1 &
+$PY -m pagoda.frontend.pagoda_cli serve --port "$PORT" "$@" > "$OUT/serve.log" 2>&1 &
 pid=$!
 trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
 until curl -sf -o /dev/null "http://127.0.0.1:$PORT/health"; do

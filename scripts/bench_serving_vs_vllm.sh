@@ -56,7 +56,7 @@ echo "vLLM: $(wait_health $pid "$OUT/side_vllm.log")" | tee "$OUT/side_startup.t
 run_loads vllm
 stop $pid
 
-$PY -m frontend.pagoda_cli serve --port "$PORT" > "$OUT/side_pagoda.log" 2>&1 &
+$PY -m pagoda.frontend.pagoda_cli serve --port "$PORT" > "$OUT/side_pagoda.log" 2>&1 &
 pid=$!
 echo "Pagoda: $(wait_health $pid "$OUT/side_pagoda.log")" | tee -a "$OUT/side_startup.txt"
 run_loads pagoda

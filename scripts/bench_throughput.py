@@ -33,7 +33,7 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
 def bench_pagoda(
     prompts: list[list[int]], output_len: int, dtype: str, fresh: list[list[int]] | None = None
 ) -> dict[str, Any]:
-    from frontend import LLM, SamplingParams
+    from pagoda import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(dtype=dtype, max_num_seqs=256, max_num_batched_tokens=4096)
@@ -66,7 +66,7 @@ def bench_hf(prompts: list[list[int]], output_len: int, dtype: str) -> dict[str,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine_core.model_config import default_model_path
+    from pagoda.engine_core.model_config import default_model_path
 
     path = default_model_path()
     directory, name = path.rsplit("/", 1)

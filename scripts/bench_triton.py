@@ -33,23 +33,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine_core.attention import (  # noqa: E402
+from pagoda.engine_core.attention.cpu_backend import (  # noqa: E402
     AttentionMetadata,
     PrefillSeq,
     decode_attention,
     paged_attention,
     write_kv,
 )
-from kernels.lora import add_lora as torch_add_lora  # noqa: E402
-from kernels.lora import lora_groups  # noqa: E402
-from kernels.triton_ops.activation import silu_and_mul  # noqa: E402
-from kernels.triton_ops.cache import reshape_and_cache  # noqa: E402
-from kernels.triton_ops.decode_attention import paged_decode_attention  # noqa: E402
-from kernels.triton_ops.lora import add_lora as triton_add_lora  # noqa: E402
-from kernels.triton_ops.lora import lora_index  # noqa: E402
-from kernels.triton_ops.norm import fused_add_rms_norm  # noqa: E402
-from kernels.triton_ops.prefill_attention import paged_prefill_attention  # noqa: E402
-from kernels.triton_ops.rotary import rotary_embedding  # noqa: E402
+from pagoda.kernels.lora import add_lora as torch_add_lora  # noqa: E402
+from pagoda.kernels.lora import lora_groups  # noqa: E402
+from pagoda.kernels.triton_ops.activation import silu_and_mul  # noqa: E402
+from pagoda.kernels.triton_ops.cache import reshape_and_cache  # noqa: E402
+from pagoda.kernels.triton_ops.decode_attention import paged_decode_attention  # noqa: E402
+from pagoda.kernels.triton_ops.lora import add_lora as triton_add_lora  # noqa: E402
+from pagoda.kernels.triton_ops.lora import lora_index  # noqa: E402
+from pagoda.kernels.triton_ops.norm import fused_add_rms_norm  # noqa: E402
+from pagoda.kernels.triton_ops.prefill_attention import paged_prefill_attention  # noqa: E402
+from pagoda.kernels.triton_ops.rotary import rotary_embedding  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

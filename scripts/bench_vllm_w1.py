@@ -24,7 +24,7 @@ def make_hf_dir(target: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine_core.model_config import default_model_path
+    from pagoda.engine_core.model_config import default_model_path
 
     directory, name = default_model_path().rsplit("/", 1)
     gguf_model = AutoModelForCausalLM.from_pretrained(

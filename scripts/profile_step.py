@@ -1,7 +1,7 @@
 """Where an engine step's time goes: every compiled CPU op timed inside the step.
 
 Runs W1's prompts (random token ids, seed 0) through `LLM.generate` in this
-process and times each call into the compiled ops (`kernels.cpu_ops._run`,
+process and times each call into the compiled ops (`pagoda.kernels.cpu_ops._run`,
 their one entry point) during the chosen steps, linears told apart by
 their output width (gate|up with SiLU fused shows as ":glu2"). Prints the
 mean step time, each op's time per step and per call, and what is left
@@ -67,9 +67,9 @@ def main() -> None:
     if not 1 <= start < stop:
         parser.error("--steps must be START:STOP with 1 <= START < STOP")
 
-    import engine_core.model_runner as model_runner
-    from frontend import LLM, SamplingParams
-    from kernels import cpu_ops
+    import pagoda.engine_core.worker.model_runner as model_runner
+    from pagoda import LLM, SamplingParams
+    from pagoda.kernels import cpu_ops
 
     rng = random.Random(0)
     prompts = [

@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_core.config import EngineConfig  # noqa: E402
-from engine_core.engine import EngineCore  # noqa: E402
-from protocol.messages import AddRequest  # noqa: E402
-from protocol.sampling_params import SamplingParams  # noqa: E402
+from pagoda.engine_core.config import EngineConfig  # noqa: E402
+from pagoda.engine_core.core.engine import EngineCore  # noqa: E402
+from pagoda.protocol.messages import AddRequest  # noqa: E402
+from pagoda.protocol.sampling_params import SamplingParams  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -73,7 +73,8 @@ def main() -> int:
         if args.trim:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         now = rss_mib()
-        held = len(engine.scheduler.requests), len(getattr(engine.executor.runner, "requests", {}))
+        runner = engine.executor.worker.runner
+        held = len(engine.scheduler.requests), len(getattr(runner, "requests", {}))
         print(f"requests {count:5d}  rss {now:6.0f} MiB ({now - base:+.0f})  held {held}")
     return 0
 

@@ -223,7 +223,7 @@ def _children(pid: int) -> list[int]:
 
 def _start_serve(port: int, extra: list[str]) -> tuple[subprocess.Popen[bytes], list[int]]:
     repo = Path(__file__).resolve().parents[1]
-    argv = [sys.executable, "-m", "frontend.pagoda_cli", "serve", "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "pagoda.frontend.pagoda_cli", "serve", "--host", "127.0.0.1"]
     argv += ["--port", str(port), *extra]
     env = dict(os.environ, PYTHONPATH=str(repo))
     proc = subprocess.Popen(argv, cwd=repo, env=env, start_new_session=True)

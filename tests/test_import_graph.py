@@ -1,6 +1,7 @@
 """What may import what (DESIGN.md §9), read from the sources: no import
-circles among Pagoda's modules, protocol/ imports no other Pagoda package,
-and the HTTP routes (frontend/api/) never import engine_core.
+circles among Pagoda's modules, everything is imported under the `pagoda.`
+namespace, protocol/ and kernels/ import no other Pagoda package, and the
+HTTP routes (frontend/api/) never import engine_core.
 
 Imports under `if TYPE_CHECKING:` do not run and are left out; imports
 inside functions count (they run when the function does).
@@ -22,7 +23,7 @@ def module_files() -> dict[str, Path]:
             parts = path.relative_to(REPO).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            modules[".".join(parts)] = path
+            modules[".".join(("pagoda", *parts))] = path
     return modules
 
 
@@ -107,15 +108,45 @@ def test_circles_are_found() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_protocol_imports_no_other_package() -> None:
+def test_everything_imported_under_the_namespace() -> None:
+    """`import engine_core` would load a second copy of a module beside
+    `pagoda.engine_core`, and clash with other distributions' names."""
+    for name, path in module_files().items():
+        bare = {m for m in imported_names(path) if m.split(".")[0] in PACKAGES}
+        assert not bare, f"{name} imports {bare}"
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_protocol_and_kernels_import_no_other_package() -> None:
     for name, targets in import_graph().items():
-        if name.startswith("protocol"):
-            outside = {t for t in targets if not t.startswith("protocol")}
-            assert not outside, f"{name} imports {outside}"
+        for package in ("pagoda.protocol", "pagoda.kernels"):
+            if _inside(name, package):
+                outside = {t for t in targets if not _inside(t, package)}
+                assert not outside, f"{name} imports {outside}"
 
 
 def test_http_routes_import_no_engine_core() -> None:
     for name, targets in import_graph().items():
-        if name.startswith("frontend.api"):
-            engine = {t for t in targets if t.startswith("engine_core")}
+        if _inside(name, "pagoda.frontend.api"):
+            engine = {t for t in targets if _inside(t, "pagoda.engine_core")}
             assert not engine, f"{name} imports {engine}"
+
+
+def test_engine_core_reaches_workers_only_through_the_executor() -> None:
+    """The torch-free core (scheduler, block manager, engine loop) names no
+    worker, model, attention backend or weight loader: those are behind the
+    executor (DESIGN.md §8)."""
+    compute = [
+        "pagoda.engine_core.worker",
+        "pagoda.engine_core.models",
+        "pagoda.engine_core.attention",
+        "pagoda.engine_core.loaders",
+        "pagoda.kernels",
+    ]
+    for name, targets in import_graph().items():
+        if _inside(name, "pagoda.engine_core.core"):
+            reached = {t for t in targets if any(_inside(t, c) for c in compute)}
+            assert not reached, f"{name} imports {reached}"

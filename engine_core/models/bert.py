@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine_core.model_config import ModelConfig, ModelLoadError
-from engine_core.pooler import pool_padded
+from pagoda.engine_core.model_config import ModelConfig, ModelLoadError
+from pagoda.engine_core.worker.pooler import pool_padded
 
 
 @dataclass

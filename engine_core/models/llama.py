@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from engine_core.attention import AttentionMetadata, paged_attention
-from engine_core.model_config import ModelConfig, ModelLoadError
-from kernels import cpu_ops
-from kernels.linear import BlockWeight, Int4Weight, Linear, pack_int4
+from pagoda.engine_core.attention.cpu_backend import AttentionMetadata, paged_attention
+from pagoda.engine_core.model_config import ModelConfig, ModelLoadError
+from pagoda.kernels import cpu_ops
+from pagoda.kernels.linear import BlockWeight, Int4Weight, Linear, pack_int4
 
 if TYPE_CHECKING:
-    from engine_core.lora import LoRABatch
-    from engine_core.triton_attention import TritonAttentionMetadata
-    from engine_core.weights import GgufBlocks
+    from pagoda.engine_core.attention.triton_backend import TritonAttentionMetadata
+    from pagoda.engine_core.loaders.weights import GgufBlocks
+    from pagoda.engine_core.worker.lora import LoRABatch
 
 
 @dataclass
@@ -348,10 +348,10 @@ class LlamaModel:
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """forward() through the Triton kernels; the same math, fewer passes over memory."""
-        from engine_core.triton_attention import triton_paged_attention
-        from kernels.triton_ops.activation import silu_and_mul
-        from kernels.triton_ops.norm import fused_add_rms_norm, rms_norm
-        from kernels.triton_ops.rotary import rotary_embedding
+        from pagoda.engine_core.attention.triton_backend import triton_paged_attention
+        from pagoda.kernels.triton_ops.activation import silu_and_mul
+        from pagoda.kernels.triton_ops.norm import fused_add_rms_norm, rms_norm
+        from pagoda.kernels.triton_ops.rotary import rotary_embedding
 
         cfg = self.config
         eps = cfg.rms_norm_eps

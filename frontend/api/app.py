@@ -21,32 +21,32 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from frontend.api.body_guard import BodyGuard
-from frontend.api.common import as_api_error, unavailable
-from frontend.api.errors import (
+from pagoda.frontend.api.body_guard import BodyGuard
+from pagoda.frontend.api.common import as_api_error, unavailable
+from pagoda.frontend.api.errors import (
     APIError,
     error_response,
     install_error_handlers,
     read_json,
     validation_api_error,
 )
-from frontend.api.mcp_tools import ToolServer
-from frontend.api.middleware import RefuseWhileDraining, RequestIdAndSize
-from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
-from frontend.api.security import install_auth
-from frontend.api.serving_admin import build_router as build_admin_router
-from frontend.api.serving_anthropic import build_router as build_anthropic_router
-from frontend.api.serving_chat import ChatServer
-from frontend.api.serving_completion import CompletionServer
-from frontend.api.serving_lora import build_router as build_lora_router
-from frontend.api.serving_models import VERSION
-from frontend.api.serving_models import build_router as build_models_router
-from frontend.api.serving_pooling import POOLING_PATHS, EmbeddingRequest, PoolingServer
-from frontend.api.serving_pooling import build_router as build_pooling_router
-from frontend.api.serving_responses import build_router as build_responses_router
-from frontend.api.serving_tokenize import build_router as build_tokenize_router
-from frontend.async_llm import AsyncLLM
-from frontend.metrics import EngineStatsCollector, FrontendMetrics
+from pagoda.frontend.api.mcp_tools import ToolServer
+from pagoda.frontend.api.middleware import RefuseWhileDraining, RequestIdAndSize
+from pagoda.frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
+from pagoda.frontend.api.security import install_auth
+from pagoda.frontend.api.serving_admin import build_router as build_admin_router
+from pagoda.frontend.api.serving_anthropic import build_router as build_anthropic_router
+from pagoda.frontend.api.serving_chat import ChatServer
+from pagoda.frontend.api.serving_completion import CompletionServer
+from pagoda.frontend.api.serving_lora import build_router as build_lora_router
+from pagoda.frontend.api.serving_models import VERSION
+from pagoda.frontend.api.serving_models import build_router as build_models_router
+from pagoda.frontend.api.serving_pooling import POOLING_PATHS, EmbeddingRequest, PoolingServer
+from pagoda.frontend.api.serving_pooling import build_router as build_pooling_router
+from pagoda.frontend.api.serving_responses import build_router as build_responses_router
+from pagoda.frontend.api.serving_tokenize import build_router as build_tokenize_router
+from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.metrics import EngineStatsCollector, FrontendMetrics
 
 _CHAT_REF = {"$ref": "#/components/schemas/ChatCompletionRequest"}
 _BATCH_BODY = {

@@ -18,7 +18,7 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from frontend.api.errors import APIError, anthropic_error_body
+from pagoda.frontend.api.errors import APIError, anthropic_error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

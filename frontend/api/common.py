@@ -12,14 +12,14 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from frontend.api.errors import APIError, error_json
-from frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
-from frontend.api.structured_outputs import constraint_from
-from frontend.async_llm import AsyncLLM, EngineRequestError, EngineUnavailableError
-from frontend.engine_client import EngineDeadError
-from frontend.outputs import CompletionOutput
-from protocol.messages import LoRARequest
-from protocol.sampling_params import SamplingParams, SamplingParamsError
+from pagoda.frontend.api.errors import APIError, error_json
+from pagoda.frontend.api.openai_models import ChatCompletionRequest, CompletionRequest
+from pagoda.frontend.api.structured_outputs import constraint_from
+from pagoda.frontend.async_llm import AsyncLLM, EngineRequestError, EngineUnavailableError
+from pagoda.frontend.engine_client import EngineDeadError
+from pagoda.frontend.outputs import CompletionOutput
+from pagoda.protocol.messages import LoRARequest
+from pagoda.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

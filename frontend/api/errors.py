@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from protocol.sampling_params import SamplingParamsError
+from pagoda.protocol.sampling_params import SamplingParamsError
 
 logger = logging.getLogger(__name__)
 

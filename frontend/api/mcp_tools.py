@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from frontend.api.errors import APIError
+from pagoda.frontend.api.errors import APIError
 
 # A tool call or listing that takes longer fails the call, not the request.
 MCP_TIMEOUT_SECONDS = 60.0

@@ -16,9 +16,9 @@ from collections.abc import Callable, Collection
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 
-from frontend.api.body_guard import ASGIApp, Message, Receive, Scope, Send
-from frontend.api.common import unavailable
-from frontend.api.errors import APIError, error_response
+from pagoda.frontend.api.body_guard import ASGIApp, Message, Receive, Scope, Send
+from pagoda.frontend.api.common import unavailable
+from pagoda.frontend.api.errors import APIError, error_response
 
 
 class RequestIdAndSize:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.structured_outputs import ResponseFormat, StructuredOutputsRequest
+from pagoda.frontend.api.structured_outputs import ResponseFormat, StructuredOutputsRequest
 
 _INT64 = 2**63 - 1
 

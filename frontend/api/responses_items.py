@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.errors import APIError
-from frontend.api.openai_models import ChatCompletionRequest
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.openai_models import ChatCompletionRequest
 
 MAX_INPUT_ITEMS = 4096
 

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.api.errors import APIError
-from frontend.api.tool_calls import ToolCallStream, ToolRequest
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.tool_calls import ToolCallStream, ToolRequest
 
 MAX_STORED_RESPONSES = 1024
 

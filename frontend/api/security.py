@@ -13,8 +13,8 @@ import hmac
 
 from fastapi import FastAPI, Request, Response
 
-from frontend.api.body_guard import ASGIApp, Receive, Scope, Send
-from frontend.api.errors import APIError, error_response
+from pagoda.frontend.api.body_guard import ASGIApp, Receive, Scope, Send
+from pagoda.frontend.api.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 # Engine-control routes: when --admin-api-key is set they need it (and not --api-key).

@@ -24,11 +24,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from frontend.api.common import unavailable
-from frontend.api.errors import APIError, read_json
-from frontend.async_llm import AsyncLLM
-from frontend.dp_client import DPClient
-from frontend.engine_client import EngineDeadError, UtilityError
+from pagoda.frontend.api.common import unavailable
+from pagoda.frontend.api.errors import APIError, read_json
+from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.dp_client import DPClient
+from pagoda.frontend.engine_client import EngineDeadError, UtilityError
 
 # What POST /collective_rpc may call on the engine; anything else is a 400.
 ADMIN_RPC_METHODS = frozenset(

@@ -20,19 +20,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.common import (
+from pagoda.frontend.api.common import (
     as_api_error,
     check_model,
     event_json,
     lora_for,
     unless_disconnected,
 )
-from frontend.api.errors import APIError, anthropic_error_body
-from frontend.api.openai_models import ChatCompletionRequest
-from frontend.api.serving_chat import ChatServer
-from frontend.api.tool_calls import ToolCallStream, ToolRequest
-from frontend.async_llm import AsyncLLM
-from frontend.outputs import RequestOutput
+from pagoda.frontend.api.errors import APIError, anthropic_error_body
+from pagoda.frontend.api.openai_models import ChatCompletionRequest
+from pagoda.frontend.api.serving_chat import ChatServer
+from pagoda.frontend.api.tool_calls import ToolCallStream, ToolRequest
+from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.outputs import RequestOutput
 
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
 

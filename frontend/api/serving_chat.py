@@ -9,7 +9,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from frontend.api.common import (
+from pagoda.frontend.api.common import (
     accumulate,
     check_model,
     lora_for,
@@ -22,19 +22,19 @@ from frontend.api.common import (
     unless_disconnected,
     usage,
 )
-from frontend.api.errors import APIError
-from frontend.api.openai_models import ChatCompletionRequest
-from frontend.api.tool_calls import (
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.openai_models import ChatCompletionRequest
+from pagoda.frontend.api.tool_calls import (
     ToolCallStream,
     ToolRequest,
     check_tools,
     history_for_template,
     reply_message,
 )
-from frontend.async_llm import AsyncLLM
-from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from frontend.tokenizer import ChatTemplateError
-from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagoda.frontend.tokenizer import ChatTemplateError
+from pagoda.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def messages_to_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:

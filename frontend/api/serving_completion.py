@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from frontend.api.common import (
+from pagoda.frontend.api.common import (
     accumulate,
     check_model,
     lora_for,
@@ -22,12 +22,12 @@ from frontend.api.common import (
     unless_disconnected,
     usage,
 )
-from frontend.api.errors import APIError
-from frontend.api.openai_models import CompletionRequest
-from frontend.async_llm import AsyncLLM
-from frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from frontend.processor import ProcessedPrompt
-from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.openai_models import CompletionRequest
+from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagoda.frontend.processor import ProcessedPrompt
+from pagoda.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
 

@@ -21,11 +21,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from frontend.api.common import now, unavailable
-from frontend.api.errors import APIError
-from frontend.async_llm import AsyncLLM
-from frontend.engine_client import EngineDeadError, UtilityError
-from protocol.messages import LoRARequest
+from pagoda.frontend.api.common import now, unavailable
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.engine_client import EngineDeadError, UtilityError
+from pagoda.protocol.messages import LoRARequest
 
 # HTTP status of a refused LoRA call, by UtilityError.kind.
 _STATUS = {"not_found": 404, "invalid": 400, "busy": 409, "unknown_method": 400}

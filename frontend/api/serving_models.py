@@ -9,11 +9,11 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from frontend.api.common import now
-from frontend.api.errors import APIError
-from frontend.api.serving_lora import lora_card
-from frontend.async_llm import AsyncLLM
-from frontend.engine_client import EngineDeadError, UtilityError
+from pagoda.frontend.api.common import now
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.serving_lora import lora_card
+from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.engine_client import EngineDeadError, UtilityError
 
 VERSION = "0.1.0"
 

@@ -14,13 +14,13 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.common import check_model, new_id, now, unless_disconnected
-from frontend.api.errors import APIError
-from frontend.async_llm import AsyncLLM
-from frontend.outputs import PoolingRequestOutput
-from frontend.pooling import cosine_similarity, floats_to_bytes, score_pairs
-from frontend.processor import PromptType
-from protocol.pooling_params import PoolingParams
+from pagoda.frontend.api.common import check_model, new_id, now, unless_disconnected
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.outputs import PoolingRequestOutput
+from pagoda.frontend.pooling import cosine_similarity, floats_to_bytes, score_pairs
+from pagoda.frontend.processor import PromptType
+from pagoda.protocol.pooling_params import PoolingParams
 
 MAX_INPUTS = 2048
 

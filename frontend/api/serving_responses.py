@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from frontend.api.common import (
+from pagoda.frontend.api.common import (
     as_api_error,
     check_model,
     event_json,
@@ -37,9 +37,9 @@ from frontend.api.common import (
     now,
     unless_disconnected,
 )
-from frontend.api.errors import APIError
-from frontend.api.mcp_tools import McpRequest, McpSession, ToolServer, mcp_requests
-from frontend.api.responses_items import (
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.mcp_tools import McpRequest, McpSession, ToolServer, mcp_requests
+from pagoda.frontend.api.responses_items import (
     ResponsesRequest,
     chat_tool_choice,
     chat_tools,
@@ -47,15 +47,15 @@ from frontend.api.responses_items import (
     output_messages,
     to_chat_request,
 )
-from frontend.api.responses_output import (
+from pagoda.frontend.api.responses_output import (
     OutputBuilder,
     ResponseStore,
     StoredResponse,
     copy_json,
     item_id,
 )
-from frontend.api.serving_chat import ChatServer
-from frontend.async_llm import AsyncLLM
+from pagoda.frontend.api.serving_chat import ChatServer
+from pagoda.frontend.async_llm import AsyncLLM
 
 MAX_MCP_CALLS = 8
 _STARTED = {"type": "_started"}  # internal: the engine accepted the first round

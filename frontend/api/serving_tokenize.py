@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.common import check_model
-from frontend.api.errors import APIError
-from frontend.api.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
-from frontend.api.serving_chat import ChatServer
-from frontend.async_llm import AsyncLLM
+from pagoda.frontend.api.common import check_model
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagoda.frontend.api.serving_chat import ChatServer
+from pagoda.frontend.async_llm import AsyncLLM
 
 
 class TokenizeRequest(BaseModel):

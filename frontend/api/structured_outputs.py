@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.errors import APIError
-from protocol.sampling_params import StructuredOutputsParams
+from pagoda.frontend.api.errors import APIError
+from pagoda.protocol.sampling_params import StructuredOutputsParams
 
 _LEGACY_FIELDS = {
     "guided_json": "json",

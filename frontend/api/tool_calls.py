@@ -19,9 +19,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.api.errors import APIError
-from frontend.api.tool_schema import required_calls_schema
-from protocol.sampling_params import StructuredOutputsParams
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.tool_schema import required_calls_schema
+from pagoda.protocol.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 MAX_TOOLS = 128

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops._common import check_device, check_float, next_pow2
+from pagoda.kernels.triton_ops._common import check_device, check_float, next_pow2
 
 MAX_BLOCK = 1024
 

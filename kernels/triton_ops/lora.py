@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import LoRAGroups
-from kernels.triton_ops._common import (
+from pagoda.kernels.lora import LoRAGroups
+from pagoda.kernels.triton_ops._common import (
     check_device,
     check_float,
     check_last_dim_contiguous,
@@ -35,7 +35,7 @@ from kernels.triton_ops._common import (
     interpreting,
     next_pow2,
 )
-from kernels.triton_ops._tl import mma
+from pagoda.kernels.triton_ops._tl import mma
 
 
 @dataclass(frozen=True)

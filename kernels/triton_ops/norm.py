@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops._common import check_device, check_float, next_pow2
+from pagoda.kernels.triton_ops._common import check_device, check_float, next_pow2
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops._common import (
+from pagoda.kernels.triton_ops._common import (
     attention_out,
     check_device,
     check_index,
@@ -29,7 +29,7 @@ from kernels.triton_ops._common import (
     key_tile,
     next_pow2,
 )
-from kernels.triton_ops._tl import mma
+from pagoda.kernels.triton_ops._tl import mma
 
 LOG2E = 1.4426950408889634
 

@@ -6,14 +6,16 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_core.engine import EngineCore
-from engine_core.model_config import ModelConfig
-from engine_core.plan import SchedulePlan, StepResult
-from protocol.messages import AddRequest, Logprobs
-from protocol.sampling_params import SamplingParams
+import msgspec
+
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.core.plan import SchedulePlan, StepResult
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.protocol.messages import AddRequest, Logprobs
+from pagoda.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from frontend import LLM
+    from pagoda import LLM
 
 # One intra-op thread: the test machine has two cores that other work shares,
 # and two OpenMP threads on one free core run many times slower than one.
@@ -77,7 +79,11 @@ def run_to_completion(engine: EngineCore, requests: list[AddRequest]) -> EngineR
 
     def recording_execute(plan: SchedulePlan) -> StepResult:
         plans.append(plan)
-        return execute(plan)
+        # Plan and result pass through their wire form, as they would to and
+        # from a worker in another process: plain data, nothing live.
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=SchedulePlan)
+        result = execute(wire)
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=StepResult)
 
     executor.execute = recording_execute  # type: ignore[method-assign]
     try:

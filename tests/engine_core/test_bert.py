@@ -16,17 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.model_config import (
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.model_config import (
     ModelLoadError,
     PoolerConfig,
     load_model_config,
     supported_tasks,
 )
-from protocol.messages import AddRequest, RequestDelta
-from protocol.pooling_params import PoolingParams
-from protocol.sampling_params import SamplingParams
+from pagoda.protocol.messages import AddRequest, RequestDelta
+from pagoda.protocol.pooling_params import PoolingParams
+from pagoda.protocol.sampling_params import SamplingParams
 from tests.conftest import build_tiny_bert
 from tests.engine_core.helpers import NUM_THREADS
 
@@ -227,8 +227,8 @@ def test_generation_engine_refuses_pooling(tiny_models: dict[str, Path]) -> None
 
 
 def test_offline_sdk_embed_encode_score(minilm_dir: Path, minilm_engine: EngineCore) -> None:
-    from frontend.llm import LLM
-    from frontend.processor import UnsupportedTaskError
+    from pagoda.frontend.llm import LLM
+    from pagoda.frontend.processor import UnsupportedTaskError
 
     llm = LLM(str(minilm_dir), num_threads=NUM_THREADS)
     embeds = llm.embed(TEXTS, use_tqdm=False)
@@ -255,7 +255,7 @@ def test_offline_sdk_embed_encode_score(minilm_dir: Path, minilm_engine: EngineC
 
 
 def test_padding_groups_bound_the_waste() -> None:
-    from engine_core.encoder_runner import padding_groups
+    from pagoda.engine_core.worker.encoder_runner import padding_groups
 
     lens = [5, 250, 7, 6, 120, 118, 249, 5]
     groups = padding_groups(lens)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from frontend import LLM, SamplingParams
+from pagoda import LLM, SamplingParams
 from tests.engine_core.helpers import assert_answers_paris
 
 pytestmark = pytest.mark.slow

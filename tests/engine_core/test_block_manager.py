@@ -10,9 +10,9 @@ import itertools
 
 import pytest
 
-from engine_core.block_manager import BlockManager
-from engine_core.request import Request
-from protocol.sampling_params import SamplingParams
+from pagoda.engine_core.core.block_manager import BlockManager
+from pagoda.engine_core.core.request import Request
+from pagoda.protocol.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 _ids = itertools.count()

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from protocol.messages import AddRequest
-from protocol.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.protocol.messages import AddRequest
+from pagoda.protocol.sampling_params import SamplingParams
 from tests.engine_core.helpers import NUM_THREADS, greedy_params, random_prompts, run_to_completion
 
 
@@ -138,7 +138,7 @@ def _rss_bytes() -> int:
 
 def test_cpu_kv_cache_is_resident_from_the_start(tiny_models: dict[str, Path]) -> None:
     """The KV budget is in RSS once allocated, not page by page as blocks are first used."""
-    runner = tiny_engine(tiny_models).executor.runner
+    runner = tiny_engine(tiny_models).executor.worker.runner
     budget = 256 << 20
     num_blocks = budget // runner.kv_bytes_per_block()
     # Hand freed heap pages back first: earlier tests' freed memory is still
@@ -155,9 +155,9 @@ def test_cpu_kv_cache_is_stored_heads_first_for_the_compiled_kernels(
 ) -> None:
     """Each kv head's rows of a block are one run where the compiled kernels
     read the cache; the torch path keeps the plain, contiguous layout."""
-    from kernels import cpu_ops
+    from pagoda.kernels import cpu_ops
 
-    runner = tiny_engine(tiny_models).executor.runner
+    runner = tiny_engine(tiny_models).executor.worker.runner
     for compiled in (True, False):
         runner.compiled_decode = compiled and cpu_ops.load_cpu_ops() is not None
         runner.allocate_kv_cache(8)
@@ -173,7 +173,7 @@ def test_prompt_step_runs_the_last_layer_on_sampled_rows_only(
     """A prompt step without prompt logprobs feeds only each sequence's last
     token through the last layer's o-projection and MLP; with prompt logprobs
     every token goes through. The first token's logprobs agree either way."""
-    runner = engine.executor.runner  # type: ignore[attr-defined]
+    runner = engine.executor.worker.runner  # type: ignore[attr-defined]
     model = runner.model
     seen: list[int | None] = []
     forward = model.forward
@@ -210,7 +210,7 @@ def test_prompt_step_runs_the_last_layer_on_sampled_rows_only(
 def test_padded_table_pads_rows_of_lists_and_tensors_alike() -> None:
     import torch
 
-    from engine_core.model_runner import _padded_table
+    from pagoda.engine_core.worker.model_runner import _padded_table
 
     rows = [[3, 1, 4], [1], [], [5, 9]]
     expected = torch.tensor([[3, 1, 4], [1, 0, 0], [0, 0, 0], [5, 9, 0]])
@@ -224,7 +224,7 @@ def test_step_budget_default_is_small_for_cpu_generation() -> None:
     """No --max-num-batched-tokens: 512 tokens a step for a decoder generating
     on the CPU (prompts arriving mid-stream wait one short step), 2048 where a
     pooling model's whole prompt must fit one step, or on a GPU."""
-    from engine_core.config import EngineConfig, default_max_num_batched_tokens
+    from pagoda.engine_core.config import EngineConfig, default_max_num_batched_tokens
 
     assert default_max_num_batched_tokens(False, "cpu") == 512
     assert default_max_num_batched_tokens(True, "cpu") == 2048

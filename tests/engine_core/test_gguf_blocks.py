@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.linear
-from engine_core.model_config import default_model_path, load_model_config
-from engine_core.models.llama import LlamaModel
-from engine_core.weights import load_gguf_blocks, load_weights
-from kernels import cpu_ops
-from kernels.linear import BLOCKS_MAX_ROWS
+import pagoda.kernels.linear
+from pagoda.engine_core.loaders.weights import load_gguf_blocks, load_weights
+from pagoda.engine_core.model_config import default_model_path, load_model_config
+from pagoda.engine_core.models.llama import LlamaModel
+from pagoda.kernels import cpu_ops
+from pagoda.kernels.linear import BLOCKS_MAX_ROWS
 
 
 def dequantize(
@@ -65,7 +65,7 @@ def test_float32_model_streams_the_blocks_for_few_rows(monkeypatch: pytest.Monke
     torch.testing.assert_close(layer.qkv_proj(x), x @ dense_qkv.T, rtol=1e-4, atol=1e-4)
     # Half precision reads the same blocks (the unrounded weights) for few rows,
     # where the bfloat16 pairs kernel does not take over every row count.
-    monkeypatch.setattr(kernels.linear, "pairs_available", lambda: False)
+    monkeypatch.setattr(pagoda.kernels.linear, "pairs_available", lambda: False)
     bf16 = LlamaModel(
         config,
         load_weights(config),

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from engine_core.model_config import load_model_config, resolve_model_path
-from engine_core.structured_output import GrammarError, StructuredOutputManager
-from engine_core.tokenizer_files import tokenizer_dir_for
-from protocol.sampling_params import StructuredOutputsParams
+from pagoda.engine_core.model_config import load_model_config, resolve_model_path
+from pagoda.engine_core.structured_output.manager import GrammarError, StructuredOutputManager
+from pagoda.engine_core.tokenizer_files import tokenizer_dir_for
+from pagoda.protocol.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 

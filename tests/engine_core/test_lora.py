@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.lora_manager import LoRAError
-from protocol.messages import AddRequest, LoRARequest
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.core.lora_manager import LoRAError
+from pagoda.protocol.messages import AddRequest, LoRARequest
 from tests.conftest import build_lora_adapter, build_tiny_model
 from tests.engine_core.helpers import NUM_THREADS, greedy_params, random_prompts, run_to_completion
 from tests.engine_core.hf_reference import hf_greedy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.lora_slots import LoRASlots
+from pagoda.engine_core.core.lora_slots import LoRASlots
 
 
 def test_lru_eviction_skips_used_and_pinned() -> None:
@@ -42,7 +42,11 @@ def test_all_slots_pinned_refuses_another_pin() -> None:
 def test_lora_module_flags_round_trip() -> None:
     import argparse
 
-    from engine_core.args import add_engine_args, engine_args_to_argv, engine_config_from_args
+    from pagoda.engine_core.args import (
+        add_engine_args,
+        engine_args_to_argv,
+        engine_config_from_args,
+    )
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

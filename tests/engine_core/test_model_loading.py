@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.model_config import ModelLoadError
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.model_config import ModelLoadError
 from tests.engine_core.helpers import NUM_THREADS
 
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 from tests.no_torch import assert_imports_no_torch
 
 TORCH_FREE_MODULES = (
-    "protocol",
-    "protocol.messages",
-    "protocol.sampling_params",
-    "engine_core.config",
-    "engine_core.request",
-    "engine_core.plan",
-    "engine_core.block_manager",
-    "engine_core.scheduler",
-    "engine_core.lora_slots",
-    "engine_core.lora_manager",
-    "engine_core.model_config",
+    "pagoda",
+    "pagoda.protocol",
+    "pagoda.protocol.messages",
+    "pagoda.protocol.sampling_params",
+    "pagoda.engine_core.config",
+    "pagoda.engine_core.core.request",
+    "pagoda.engine_core.core.plan",
+    "pagoda.engine_core.core.block_manager",
+    "pagoda.engine_core.core.scheduler",
+    "pagoda.engine_core.core.lora_slots",
+    "pagoda.engine_core.core.lora_manager",
+    "pagoda.engine_core.model_config",
 )
 
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.model_runner import COMPILED_PROMPT_MAX_LEN
-from protocol.messages import AddRequest, Logprobs
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.worker.model_runner import COMPILED_PROMPT_MAX_LEN
+from pagoda.protocol.messages import AddRequest, Logprobs
 from tests.conftest import TINY_MODEL_KINDS
 from tests.engine_core.helpers import (
     NUM_THREADS,

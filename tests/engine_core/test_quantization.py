@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.model_config import ModelLoadError, default_model_path, load_model_config
-from engine_core.weights import load_int4_weights, load_weights
-from frontend import LLM, SamplingParams
-from kernels.linear import int4_available
+from pagoda import LLM, SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.loaders.weights import load_int4_weights, load_weights
+from pagoda.engine_core.model_config import ModelLoadError, default_model_path, load_model_config
+from pagoda.kernels.linear import int4_available
 from tests.engine_core.helpers import NUM_THREADS, assert_answers_paris
 from tests.engine_core.test_sleep import check_sleep_cycle
 
@@ -83,6 +83,6 @@ def test_sleep_restores_the_4bit_weights(tmp_path: Path) -> None:
         sleep_offload_dir=str(tmp_path),
     )
     engine = EngineCore(config)
-    layer = engine.executor.runner.model.layers[0]
+    layer = engine.executor.worker.runner.model.layers[0]
     assert layer.qkv_proj.int4 is not None and layer.down_proj.int4 is not None
     check_sleep_cycle(engine, tmp_path)  # decode of 2 sequences: the 4-bit path

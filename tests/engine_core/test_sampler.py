@@ -18,15 +18,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import kernels.sampling
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.model_runner import ModelRunner
-from engine_core.sampler import SamplingRow, sample
-from engine_core.token_history import TokenHistory
-from kernels.cpu_ops import load_cpu_ops
-from protocol.messages import AddRequest
-from protocol.sampling_params import SamplingParams, SamplingParamsError
+import pagoda.kernels.sampling
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.worker.model_runner import ModelRunner
+from pagoda.engine_core.worker.sampler import SamplingRow, sample
+from pagoda.engine_core.worker.token_history import TokenHistory
+from pagoda.kernels.cpu_ops import load_cpu_ops
+from pagoda.protocol.messages import AddRequest
+from pagoda.protocol.sampling_params import SamplingParams, SamplingParamsError
 from tests.engine_core.helpers import (
     NUM_THREADS,
     kv_bytes_for_blocks,
@@ -111,7 +111,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(
     # Token history rows belong to penalized requests the runner still holds
     # (it hears of the last finished ones with the next plan): none leak.
     for core in (engine, small):
-        runner = core.executor.runner
+        runner = core.executor.worker.runner
         assert isinstance(runner, ModelRunner)
         held = [s.history_slot for s in runner.requests.values() if s.history_slot >= 0]
         assert runner.history.num_used == len(held) == len(set(held))
@@ -151,7 +151,7 @@ def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     if request.param == "compiled" and load_cpu_ops() is None:
         pytest.skip("no compiled CPU kernels")
     if request.param == "torch":
-        monkeypatch.setattr(kernels.sampling, "load_cpu_ops", lambda: None)
+        monkeypatch.setattr(pagoda.kernels.sampling, "load_cpu_ops", lambda: None)
     return str(request.param)
 
 

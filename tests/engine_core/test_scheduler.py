@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine_core.block_manager import BlockManager
-from engine_core.plan import SchedulePlan, StepResult
-from engine_core.request import Request
-from engine_core.scheduler import Scheduler
-from protocol.messages import Logprobs, RequestDelta
-from protocol.sampling_params import SamplingParams
+from pagoda.engine_core.core.block_manager import BlockManager
+from pagoda.engine_core.core.plan import SchedulePlan, StepResult
+from pagoda.engine_core.core.request import Request
+from pagoda.engine_core.core.scheduler import Scheduler
+from pagoda.protocol.messages import Logprobs, RequestDelta
+from pagoda.protocol.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.engine_utilities import EngineBusyError
-from engine_core.sleep import tensor_slots
-from protocol.messages import AddRequest
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.core.engine_utilities import EngineBusyError
+from pagoda.engine_core.worker.sleep import tensor_slots
+from pagoda.protocol.messages import AddRequest
 from tests.engine_core.helpers import NUM_THREADS, greedy_params, run_to_completion
 
 PROMPTS = [[1, 5, 9, 200, 31], [7, 7, 300, 2]]
@@ -36,7 +36,7 @@ def outputs(engine: EngineCore) -> list[tuple[list[int], list[list[float]]]]:
 def weight_bytes(engine: EngineCore) -> int:
     total = 0
     seen: set[int] = set()
-    for _, _, t in tensor_slots(engine.executor.runner.model):
+    for _, _, t in tensor_slots(engine.executor.worker.runner.model):
         if id(t) not in seen and t.layout == torch.strided:
             seen.add(id(t))
             total += t.numel() * t.element_size()
@@ -49,7 +49,7 @@ def check_sleep_cycle(engine: EngineCore, tmp_path: Path | None) -> None:
     for level in (1, 2, 1):
         engine.sleep(level)
         assert engine.is_sleeping() and engine.stats().is_sleeping
-        runner = engine.executor.runner
+        runner = engine.executor.worker.runner
         assert runner.kv_caches == []
         assert runner.model is None or weight_bytes(engine) == 0
         refusal = engine.add_request(requests()[0])

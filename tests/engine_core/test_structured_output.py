@@ -11,11 +11,11 @@ import re
 import jsonschema
 import pytest
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.model_config import load_model_config, resolve_model_path
-from protocol.messages import AddRequest
-from protocol.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.model_config import load_model_config, resolve_model_path
+from pagoda.protocol.messages import AddRequest
+from pagoda.protocol.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine_core.helpers import NUM_THREADS, kv_bytes_for_blocks, run_to_completion
 
 pytestmark = pytest.mark.slow

@@ -104,14 +104,14 @@ class Processes:
 
 
 def engine_argv(address: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "engine_core.cli", "--address", address, *extra]
+    return [sys.executable, "-m", "pagoda.engine_core.cli", "--address", address, *extra]
 
 
 def api_argv(address: str, port: int, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "frontend.cli",
+        "pagoda.frontend.cli",
         "--engine",
         address,
         "--port",
@@ -194,7 +194,7 @@ class Pagoda:
 
 def start_pagoda(port: int, engine_flags: tuple[str, ...], *extra: str) -> Pagoda:
     """`pagoda serve` in its own session (a file, not a pipe, so that no child blocks)."""
-    argv = [sys.executable, "-m", "frontend.pagoda_cli", "serve", "--port", str(port)]
+    argv = [sys.executable, "-m", "pagoda.frontend.pagoda_cli", "serve", "--port", str(port)]
     log = Path(tempfile.mkstemp(prefix="pagoda-serve-", suffix=".log")[1])
     with open(log, "wb") as f:
         proc = subprocess.Popen(

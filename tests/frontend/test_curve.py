@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine_core.curve import bind_address, generate_keys
+from pagoda.protocol.curve import bind_address, generate_keys
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME
 from tests.frontend.servers import (
     REPO,

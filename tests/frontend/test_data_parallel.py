@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from engine_core.addresses import dp_addresses
+from pagoda.protocol.addresses import dp_addresses
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME
 from tests.frontend.servers import Processes, api_argv, engine_argv, free_port, wait_healthy
 

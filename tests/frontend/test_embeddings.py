@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from engine_core.model_config import PoolerConfig
+from pagoda.engine_core.model_config import PoolerConfig
 from tests.engine_core.test_bert import cosine_distance, hf_embeddings
 from tests.frontend.conftest import Server
 from tests.frontend.servers import Processes, api_argv, engine_argv, free_port, wait_healthy

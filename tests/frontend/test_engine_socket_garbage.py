@@ -14,15 +14,15 @@ import httpx
 import msgspec
 import zmq
 
-from engine_core.addresses import split_address
-from protocol.messages import (
+from pagoda.protocol.addresses import split_address
+from pagoda.protocol.messages import (
     PROTOCOL_VERSION,
     AddRequest,
     Hello,
     UtilityCall,
     make_frontend_codec,
 )
-from protocol.sampling_params import SamplingParams
+from pagoda.protocol.sampling_params import SamplingParams
 from tests.frontend.conftest import Server
 
 _enc = msgspec.msgpack.Encoder()

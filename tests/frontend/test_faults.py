@@ -28,9 +28,9 @@ import msgspec
 import pytest
 import zmq
 
-from engine_core.addresses import split_address
-from protocol.messages import AddRequest, Outputs, RequestDelta, UtilityResult
-from protocol.sampling_params import SamplingParams
+from pagoda.protocol.addresses import split_address
+from pagoda.protocol.messages import AddRequest, Outputs, RequestDelta, UtilityResult
+from pagoda.protocol.sampling_params import SamplingParams
 from tests.frontend.conftest import ENGINE_FLAGS, Server
 from tests.frontend.servers import (
     REPO,
@@ -451,7 +451,7 @@ def test_garbage_on_the_api_servers_output_socket(server: Server, tmp_path: Path
 
 _PARENT = """
 import subprocess, sys, time
-from frontend.pagoda_cli import die_with_parent
+from pagoda.frontend.pagoda_cli import die_with_parent
 child = subprocess.Popen(["sleep", "120"], preexec_fn=die_with_parent())
 print(child.pid, flush=True)
 time.sleep(120)

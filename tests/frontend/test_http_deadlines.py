@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from frontend.http_protocol import header_timeout_protocol
+from pagoda.frontend.http_protocol import header_timeout_protocol
 from tests.frontend.servers import free_port, raw_exchange
 
 HEADER_TIMEOUT = 1.0

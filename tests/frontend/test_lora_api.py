@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from engine_core.lora import module_shapes
-    from engine_core.model_config import default_model_path, load_model_config
+    from pagoda.engine_core.model_config import default_model_path, load_model_config
+    from pagoda.engine_core.worker.lora import module_shapes
 
     config = load_model_config(default_model_path())
     shapes = module_shapes(config)

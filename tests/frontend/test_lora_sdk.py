@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from frontend import LLM, LoRARequest, SamplingParams
+from pagoda import LLM, LoRARequest, SamplingParams
 from tests.conftest import TINY_VOCAB_SIZE, build_lora_adapter, build_tiny_model
 from tests.engine_core.hf_reference import hf_greedy
 

@@ -5,18 +5,19 @@ from __future__ import annotations
 from tests.no_torch import assert_imports_no_torch
 
 FRONTEND_MODULES = (
-    "frontend",
-    "frontend.cli",
-    "frontend.pagoda_cli",
-    "frontend.api.app",
-    "frontend.async_llm",
-    "frontend.engine_client",
-    "frontend.output_processor",
-    "frontend.processor",
-    "frontend.tokenizer",
-    "engine_core.addresses",
-    "engine_core.args",
-    "engine_core.envs",
+    "pagoda",
+    "pagoda.frontend",
+    "pagoda.frontend.cli",
+    "pagoda.frontend.pagoda_cli",
+    "pagoda.frontend.api.app",
+    "pagoda.frontend.async_llm",
+    "pagoda.frontend.engine_client",
+    "pagoda.frontend.output_processor",
+    "pagoda.frontend.processor",
+    "pagoda.frontend.tokenizer",
+    "pagoda.protocol.addresses",
+    "pagoda.engine_core.args",
+    "pagoda.protocol.envs",
 )
 
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from frontend import AsyncLLM, SamplingParams
+from pagoda import AsyncLLM, SamplingParams
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME, Server
 from tests.frontend.servers import (
     Processes,
@@ -30,7 +30,7 @@ PROMPTS = ["The capital of Italy is", "def fibonacci(n):", "Three colours are", 
 
 
 def test_http_greedy_equals_offline_llm(server: Server) -> None:
-    from frontend import LLM
+    from pagoda import LLM
 
     c = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
     http_texts = [

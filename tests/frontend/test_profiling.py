@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from frontend import LLM, SamplingParams
+from pagoda import LLM, SamplingParams
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME, Server
 from tests.frontend.servers import private_server
 

@@ -10,10 +10,10 @@ import jsonschema
 import openai
 import pytest
 
-from frontend.api.errors import APIError
-from frontend.api.responses_items import ResponsesRequest, input_messages, to_chat_request
-from frontend.api.responses_output import OutputBuilder
-from frontend.api.tool_calls import check_tools
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.responses_items import ResponsesRequest, input_messages, to_chat_request
+from pagoda.frontend.api.responses_output import OutputBuilder
+from pagoda.frontend.api.tool_calls import check_tools
 from tests.frontend.conftest import MODEL_NAME, Server
 from tests.frontend.test_openai_e2e import client
 from tests.frontend.test_tool_calling import TOOL_TEMPLATE, TOOLS, check_call

@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from frontend.api.mcp_tools import parse_tool_server
+from pagoda.frontend.api.mcp_tools import parse_tool_server
 from tests.frontend.conftest import MODEL_NAME, Server
 from tests.frontend.servers import REPO, Processes, api_argv, free_port, wait_healthy
 

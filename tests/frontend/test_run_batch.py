@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from frontend.run_batch import check_line
+from pagoda.frontend.run_batch import check_line
 from tests.frontend.conftest import MODEL_NAME, Server
 from tests.frontend.servers import REPO
 from tests.frontend.test_openai_e2e import client
@@ -47,7 +47,7 @@ def test_bad_lines_are_explained(text: str, why: str) -> None:
 def run_batch(tmp_path: Path, lines: list[str], *args: str) -> list[dict[str, Any]]:
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    argv = [sys.executable, "-m", "frontend.pagoda_cli", "run-batch", "-i", str(src)]
+    argv = [sys.executable, "-m", "pagoda.frontend.pagoda_cli", "run-batch", "-i", str(src)]
     argv += ["-o", str(dst), "--disable-progress-bar", *args]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

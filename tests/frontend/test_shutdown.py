@@ -97,7 +97,7 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(server: Server) -> No
 def test_pagoda_serve_sigterm_drains_then_all_children_exit() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "frontend.pagoda_cli", "serve", "--port", str(port)]
+    argv = [sys.executable, "-m", "pagoda.frontend.pagoda_cli", "serve", "--port", str(port)]
     proc = subprocess.Popen(
         [*argv, *ENGINE_FLAGS, "--shutdown-timeout", "120"],
         cwd=REPO,

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from frontend import AsyncLLM
+from pagoda import AsyncLLM
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME
 from tests.frontend.servers import Processes, api_argv, engine_argv, free_port, wait_healthy
 
@@ -164,7 +164,7 @@ def test_sleep_refused_while_requests_run_and_async_llm_controls(tmp_path: Path)
 
 
 def test_llm_sleep_and_wake_up() -> None:
-    from frontend import LLM, SamplingParams
+    from pagoda import LLM, SamplingParams
 
     llm = LLM(dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=8)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from frontend.api.errors import APIError
-from frontend.api.tool_calls import (
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.tool_calls import (
     ToolCallStream,
     check_tools,
     parse_tool_calls,

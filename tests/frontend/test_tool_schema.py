@@ -13,8 +13,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from frontend.api.tool_calls import ToolRequest
-from frontend.api.tool_schema import relocate_refs, required_calls_schema
+from pagoda.frontend.api.tool_calls import ToolRequest
+from pagoda.frontend.api.tool_schema import relocate_refs, required_calls_schema
 
 # Two tools that both define $defs/node, differently: a clash if they were merged by name.
 TREE = {
@@ -149,9 +149,9 @@ def test_tool_request_uses_the_combined_schema() -> None:
 @pytest.fixture(scope="module")
 def compiler() -> Any:
     """An xgrammar compiler for the default model, as the engine's compile child makes it."""
-    from engine_core.model_config import load_model_config, resolve_model_path
-    from engine_core.structured_output import StructuredOutputManager
-    from engine_core.tokenizer_files import tokenizer_dir_for
+    from pagoda.engine_core.model_config import load_model_config, resolve_model_path
+    from pagoda.engine_core.structured_output.manager import StructuredOutputManager
+    from pagoda.engine_core.tokenizer_files import tokenizer_dir_for
 
     path = resolve_model_path(None)
     mc = load_model_config(path)

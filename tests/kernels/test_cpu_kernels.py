@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.linear
-from engine_core.attention import decode_attention, reference_attention, write_kv
-from kernels import cpu_ops
-from kernels.linear import (
+import pagoda.kernels.linear
+from pagoda.engine_core.attention.cpu_backend import decode_attention, reference_attention, write_kv
+from pagoda.kernels import cpu_ops
+from pagoda.kernels.linear import (
     BLOCKS_MAX_ROWS,
     INT4_MAX_ROWS,
     SMALL_ROWS_MAX,
@@ -482,7 +482,7 @@ def test_bf16_pairs_gated_forms_equal_the_plain_projection(
 
 @needs_pairs
 def test_linear_gate_up_fuses_silu_and_mul() -> None:
-    from kernels.linear import Linear
+    from pagoda.kernels.linear import Linear
 
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(2 * 100, 64, generator=gen).bfloat16()
@@ -616,7 +616,7 @@ def test_small_batches_run_on_the_plain_weights(
     """Up to SMALL_ROWS_MAX rows a Linear built with small_rows reads its plain
     copy; above, the packed one. Both give x W^T."""
     monkeypatch.setattr(cpu_ops, "cpu_has_native", lambda dtype: True)
-    monkeypatch.setattr(kernels.linear, "pairs_available", lambda: False)
+    monkeypatch.setattr(pagoda.kernels.linear, "pairs_available", lambda: False)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 64, generator=gen).to(dtype)
     linear = Linear(w, None, small_rows=True)
@@ -729,7 +729,7 @@ def test_linear_with_blocks_uses_them_for_few_rows(
     the dtype) a Linear with GGUF blocks reads them (no plain copy is kept);
     above, the dense weights. Both give x W^T."""
     monkeypatch.setattr(cpu_ops, "cpu_has_native", lambda d: native or d == torch.float32)
-    monkeypatch.setattr(kernels.linear, "pairs_available", lambda: False)
+    monkeypatch.setattr(pagoda.kernels.linear, "pairs_available", lambda: False)
     weight, dense = random_q4(40, 64, seed=5)
     linear = Linear(dense.to(dtype), None, small_rows=True, blocks=weight)
     limit = BLOCKS_MAX_ROWS[dtype if native else torch.float32]
@@ -854,7 +854,7 @@ def test_bf16_fused_ops_round_as_torch_does() -> None:
 def test_rotary_embedding_in_place_on_qkv_views(dtype: torch.dtype) -> None:
     """In place on the q and k views of one fused projection; v untouched.
     Equal to the unfused torch rope (the same products rounded the same way)."""
-    from engine_core.models.llama import _apply_rope
+    from pagoda.engine_core.models.llama import _apply_rope
 
     gen = torch.Generator().manual_seed(3)
     tokens, heads, kv_heads, head_dim = 37, 6, 2, 64
@@ -901,7 +901,7 @@ def test_refined_logits_order_near_ties_by_float32(bias: bool) -> None:
     """bfloat16 logits of ~20 are rounded in steps of 0.125: here two tokens
     tie after rounding though float32 separates them. The refinement recomputes
     the leading logits in float32, compiled and torch forms alike."""
-    from engine_core.models.llama import _MANTISSA_BITS, _MAX_REFINED_PER_ROW, LlamaModel
+    from pagoda.engine_core.models.llama import _MANTISSA_BITS, _MAX_REFINED_PER_ROW, LlamaModel
 
     gen = torch.Generator().manual_seed(11)
     vocab, dim, rows = 500, 64, 6

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import add_lora, add_lora_reference, lora_groups
+from pagoda.kernels.lora import add_lora, add_lora_reference, lora_groups
 
 
 def _case(

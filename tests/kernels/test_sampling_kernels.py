@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import sampling
-from kernels.cpu_ops import load_cpu_ops
+from pagoda.kernels import sampling
+from pagoda.kernels.cpu_ops import load_cpu_ops
 from tests.statistics import chi_square_p
 
 needs_ops = pytest.mark.skipif(load_cpu_ops() is None, reason="no compiled CPU kernels")

@@ -1,7 +1,7 @@
 """Triton kernel tests: on a machine without CUDA they run in Triton's interpreter.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it is set here,
-before any test module imports kernels.triton_ops.
+before any test module imports pagoda.kernels.triton_ops.
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine_core.attention import AttentionMetadata, PrefillSeq, paged_attention  # noqa: E402
-from kernels.triton_ops import reference as ref  # noqa: E402
-from kernels.triton_ops.cache import reshape_and_cache  # noqa: E402
-from kernels.triton_ops.decode_attention import paged_decode_attention  # noqa: E402
-from kernels.triton_ops.prefill_attention import paged_prefill_attention  # noqa: E402
+from pagoda.engine_core.attention.cpu_backend import AttentionMetadata, PrefillSeq, paged_attention  # noqa: E402
+from pagoda.kernels.triton_ops import reference as ref  # noqa: E402
+from pagoda.kernels.triton_ops.cache import reshape_and_cache  # noqa: E402
+from pagoda.kernels.triton_ops.decode_attention import paged_decode_attention  # noqa: E402
+from pagoda.kernels.triton_ops.prefill_attention import paged_prefill_attention  # noqa: E402
 from tests.kernels.triton.helpers import (  # noqa: E402
     DEVICE,
     FULL,

@@ -9,12 +9,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine_core.models.llama import _apply_rope, rope_inv_freq  # noqa: E402
-from kernels.triton_ops import reference as ref  # noqa: E402
-from kernels.triton_ops.activation import silu_and_mul  # noqa: E402
-from kernels.triton_ops.cache import reshape_and_cache  # noqa: E402
-from kernels.triton_ops.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.triton_ops.rotary import rotary_embedding  # noqa: E402
+from pagoda.engine_core.models.llama import _apply_rope, rope_inv_freq  # noqa: E402
+from pagoda.kernels.triton_ops import reference as ref  # noqa: E402
+from pagoda.kernels.triton_ops.activation import silu_and_mul  # noqa: E402
+from pagoda.kernels.triton_ops.cache import reshape_and_cache  # noqa: E402
+from pagoda.kernels.triton_ops.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from pagoda.kernels.triton_ops.rotary import rotary_embedding  # noqa: E402
 from tests.kernels.triton.helpers import (  # noqa: E402
     DEVICE,
     FULL,

@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.lora import add_lora as torch_add_lora  # noqa: E402
-from kernels.lora import lora_groups  # noqa: E402
-from kernels.triton_ops.lora import add_lora, lora_index  # noqa: E402
+from pagoda.kernels.lora import add_lora as torch_add_lora  # noqa: E402
+from pagoda.kernels.lora import lora_groups  # noqa: E402
+from pagoda.kernels.triton_ops.lora import add_lora, lora_index  # noqa: E402
 from tests.kernels.triton.helpers import DEVICE, FULL, check_close, grid, randn  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -18,11 +18,11 @@ pytest.importorskip("triton")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from engine_core.config import EngineConfig  # noqa: E402
-from engine_core.engine import EngineCore  # noqa: E402
-from engine_core.model_runner import ModelRunner  # noqa: E402
-from engine_core.models.llama import LlamaModel  # noqa: E402
-from protocol.messages import AddRequest, LoRARequest  # noqa: E402
+from pagoda.engine_core.config import EngineConfig  # noqa: E402
+from pagoda.engine_core.core.engine import EngineCore  # noqa: E402
+from pagoda.engine_core.models.llama import LlamaModel  # noqa: E402
+from pagoda.engine_core.worker.model_runner import ModelRunner  # noqa: E402
+from pagoda.protocol.messages import AddRequest, LoRARequest  # noqa: E402
 from tests.conftest import build_lora_adapter  # noqa: E402
 from tests.engine_core.helpers import (  # noqa: E402
     NUM_THREADS,
@@ -41,7 +41,7 @@ def test_triton_runner_lora_matches_hf_peft(
 ) -> None:
     from peft import PeftModel
 
-    from kernels.triton_ops import lora as triton_lora
+    from pagoda.kernels.triton_ops import lora as triton_lora
 
     calls: list[int] = []
     kernel = triton_lora.add_lora
@@ -67,7 +67,7 @@ def test_triton_runner_lora_matches_hf_peft(
             lora_modules=(("a", str(adapter)),),
         )
     )
-    runner = cast(ModelRunner, engine.executor.runner)
+    runner = cast(ModelRunner, engine.executor.worker.runner)
     runner.use_triton = cast(LlamaModel, runner.model).use_triton = True
     prompts = random_prompts(9, 2, 999, 4, 20)
     requests = [

@@ -18,11 +18,11 @@ pytest.importorskip("triton")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from engine_core import triton_attention  # noqa: E402
-from engine_core.config import EngineConfig  # noqa: E402
-from engine_core.cuda_graphs import DecodeGraphs  # noqa: E402
-from engine_core.engine import EngineCore  # noqa: E402
-from protocol.messages import AddRequest  # noqa: E402
+from pagoda.engine_core.attention import triton_backend as triton_attention  # noqa: E402
+from pagoda.engine_core.config import EngineConfig  # noqa: E402
+from pagoda.engine_core.core.engine import EngineCore  # noqa: E402
+from pagoda.engine_core.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from pagoda.protocol.messages import AddRequest  # noqa: E402
 from tests.engine_core.helpers import (  # noqa: E402
     NUM_THREADS,
     greedy_params,
@@ -58,7 +58,7 @@ def test_triton_runner_greedy_matches_hf(
             num_threads=NUM_THREADS,
         )
     )
-    runner = engine.executor.runner
+    runner = engine.executor.worker.runner
     runner.use_triton = runner.model.use_triton = True
     hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_models[kind]), dtype=torch.float32)
     hf_model.eval()
@@ -112,7 +112,7 @@ def test_decode_graph_padding_matches_hf(tiny_models: dict[str, Path]) -> None:
             num_threads=NUM_THREADS,
         )
     )
-    runner = engine.executor.runner
+    runner = engine.executor.worker.runner
     runner.use_triton = runner.model.use_triton = True
     graphs = DecodeGraphs(runner.model, runner.kv_caches, 4, 4, runner.device)
     assert graphs.sizes == [1, 2, 4]

@@ -13,12 +13,12 @@ import os
 
 import torch
 
-from engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from engine_core.model_config import ModelConfig, default_pooler
-from engine_core.model_runner import resolve_device, resolve_dtype
-from engine_core.models.bert import BertModel, load_encoder_weights
-from engine_core.plan import SchedulePlan, StepResult
-from engine_core.pooler import finish
+from pagoda.engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from pagoda.engine_core.core.plan import SchedulePlan, StepResult
+from pagoda.engine_core.model_config import ModelConfig, default_pooler
+from pagoda.engine_core.models.bert import BertModel, load_encoder_weights
+from pagoda.engine_core.worker.model_runner import resolve_device, resolve_dtype
+from pagoda.engine_core.worker.pooler import finish
 
 
 class EncoderRunner:

@@ -13,37 +13,41 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.attention import AttentionMetadata, PrefillSeq
-from engine_core.config import EngineConfig
-from engine_core.lora import LoRAAdapter, LoRABatch, LoRAStacks
-from engine_core.model_config import ModelConfig, default_pooler
-from engine_core.models.llama import LlamaModel
-from engine_core.plan import NewRequestData, SchedulePlan, StepResult
-from engine_core.pooler import finish, pool_flat
-from engine_core.runner_utilities import RunnerUtilities
-from engine_core.sampler import SamplingRow, prompt_logprobs, sample
-from engine_core.sleep import ParkedWeights, release_freed_memory, reuse_freed_memory
-from engine_core.structured_output import advance_matcher, apply_grammar_bitmask, new_matcher
-from engine_core.token_history import TokenHistory
-from engine_core.weights import load_gguf_blocks, load_int4_weights, load_weights
-from kernels.cpu_ops import (
+from pagoda.engine_core.attention.cpu_backend import AttentionMetadata, PrefillSeq
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.plan import NewRequestData, SchedulePlan, StepResult
+from pagoda.engine_core.loaders.weights import load_gguf_blocks, load_int4_weights, load_weights
+from pagoda.engine_core.model_config import ModelConfig, default_pooler
+from pagoda.engine_core.models.llama import LlamaModel
+from pagoda.engine_core.worker.lora import LoRAAdapter, LoRABatch, LoRAStacks
+from pagoda.engine_core.worker.pooler import finish, pool_flat
+from pagoda.engine_core.worker.runner_utilities import RunnerUtilities
+from pagoda.engine_core.worker.sampler import (
+    SamplingRow,
+    apply_grammar_bitmask,
+    prompt_logprobs,
+    sample,
+)
+from pagoda.engine_core.worker.sleep import ParkedWeights, release_freed_memory, reuse_freed_memory
+from pagoda.engine_core.worker.token_history import TokenHistory
+from pagoda.kernels.cpu_ops import (
     SUPPORTED_HEAD_DIMS,
     cpu_has_native,
     has_bf16_attention,
     load_cpu_ops,
 )
-from kernels.linear import int4_available, pairs_available
-from kernels.lora import lora_groups
-from protocol.pooling_params import PoolingParams
-from protocol.sampling_params import SamplingParams
+from pagoda.kernels.linear import int4_available, pairs_available
+from pagoda.kernels.lora import lora_groups
+from pagoda.protocol.pooling_params import PoolingParams
+from pagoda.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine_core.cuda_graphs import DecodeGraphs
-    from engine_core.triton_attention import TritonAttentionMetadata
+    from pagoda.engine_core.attention.triton_backend import TritonAttentionMetadata
+    from pagoda.engine_core.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +86,6 @@ class CachedRequestState:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     history_slot: int = -1  # its TokenHistory row (penalized requests)
-    matcher: Any = None  # xgrammar GrammarMatcher of a constrained request
     pooling: PoolingParams | None = None  # set for a pooling request (--runner pooling)
     lora_slot: int = 0  # the adapter slot its tokens use (0: none)
 
@@ -210,7 +213,7 @@ class ModelRunner(RunnerUtilities):
         return int(num_blocks)
 
     def _capture_graphs(self, num_blocks: int) -> None:
-        from engine_core.cuda_graphs import DecodeGraphs
+        from pagoda.engine_core.worker.cuda_graphs import DecodeGraphs
 
         mc = self.model_config
         limit = min(mc.max_position_embeddings, num_blocks * self.block_size)
@@ -256,10 +259,6 @@ class ModelRunner(RunnerUtilities):
         if p.needs_penalties:
             history_slot = self.history.add(new.token_ids, new.num_prompt_tokens)
         output_token_ids = list(new.token_ids[new.num_prompt_tokens :])
-        matcher = None
-        if new.grammar is not None:
-            # After preemption the matcher replays what was already generated.
-            matcher = new_matcher(new.grammar, output_token_ids)
         self.requests[new.request_id] = CachedRequestState(
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
@@ -268,7 +267,6 @@ class ModelRunner(RunnerUtilities):
             params=p,
             output_token_ids=output_token_ids,
             history_slot=history_slot,
-            matcher=matcher,
             pooling=new.pooling_params,
             lora_slot=new.lora_slot,
         )
@@ -346,7 +344,7 @@ class ModelRunner(RunnerUtilities):
         last_rows: torch.Tensor | None = None  # see below: the sampled rows alone
         if self.lora_stacks is not None and any(token_slots):
             if self.use_triton:
-                from kernels.triton_ops.lora import lora_index
+                from pagoda.kernels.triton_ops.lora import lora_index
 
                 lora = LoRABatch(self.lora_stacks, [], lora_index(token_slots, device))
             else:
@@ -356,7 +354,7 @@ class ModelRunner(RunnerUtilities):
         if hidden is None:
             meta: AttentionMetadata | TritonAttentionMetadata
             if self.use_triton:
-                from engine_core.triton_attention import build_metadata
+                from pagoda.engine_core.attention.triton_backend import build_metadata
 
                 meta = build_metadata(slots, decode_tables, decode_lens, prefill_rows, device)
             else:
@@ -395,9 +393,8 @@ class ModelRunner(RunnerUtilities):
             sampled = hidden if last_rows is not None else hidden[logit_rows]
             logits = self.model.compute_logits(sampled).cpu()  # [num_sample, vocab]
             states = [self.requests[r] for r in sample_ids]
-            constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
-            if constrained:
-                apply_grammar_bitmask(logits, constrained)
+            if plan.grammar_bitmask is not None:
+                apply_grammar_bitmask(logits, sample_ids, plan.grammar_bitmask)
             rows = [self._sampling_row(s) for s in states]
             token_ids, logprobs = sample(logits, rows, self.history)
             for request_id, token_id, lp in zip(sample_ids, token_ids, logprobs, strict=True):
@@ -406,8 +403,6 @@ class ModelRunner(RunnerUtilities):
                 state.output_token_ids.append(token_id)
                 if state.history_slot >= 0:
                     self.history.append(state.history_slot, token_id)
-                if state.matcher is not None and advance_matcher(state.matcher, token_id):
-                    result.grammar_terminated.add(request_id)
                 result.sampled_token_ids[request_id] = token_id
                 if lp is not None:
                     result.logprobs[request_id] = lp

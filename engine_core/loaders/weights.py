@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine_core.model_config import ModelConfig, ModelLoadError, open_gguf
+from pagoda.engine_core.model_config import ModelConfig, ModelLoadError, open_gguf
 
 _GGUF_NAMES = {
     "token_embd": "embed_tokens",
@@ -76,7 +76,7 @@ def _hf_short_name(name: str) -> str | None:
 
 
 def _load_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
-    from engine_core import gguf_cache
+    from pagoda.engine_core.loaders import gguf_cache
 
     return _cached_tensors(config, gguf_cache.WEIGHTS_FILE, _dequantize_gguf)
 
@@ -87,7 +87,7 @@ def _cached_tensors(
     """build(config), memory-mapped from the GGUF cache when an earlier load wrote it."""
     from safetensors.torch import load_file, save_file
 
-    from engine_core import gguf_cache
+    from pagoda.engine_core.loaders import gguf_cache
 
     cached = gguf_cache.cached_weights_file(config.path, name)
     if cached is not None:
@@ -164,7 +164,7 @@ GgufBlocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 def load_gguf_blocks(config: ModelConfig) -> dict[str, GgufBlocks]:
     """The GGUF's Q4_0 / Q4_1 / Q8_0 linear and embedding weights in their own
-    block layout (for kernels.linear.BlockWeight).
+    block layout (for pagoda.kernels.linear.BlockWeight).
 
     Each becomes (codes, scale, offset) with scale and offset [out, in / 32]
     float32 per 32-element block. 4-bit: codes [out, in / 2] uint8, element j
@@ -174,7 +174,7 @@ def load_gguf_blocks(config: ModelConfig) -> dict[str, GgufBlocks]:
     dequantization does. Other tensor types are left out. Cached beside the
     dequantized weights: reading them means parsing the GGUF's metadata.
     """
-    from engine_core import gguf_cache
+    from pagoda.engine_core.loaders import gguf_cache
 
     if not config.is_gguf:
         raise ModelLoadError(f"{config.path}: quantized blocks need a GGUF model file")

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.lora import LoRAAdapter, LoRAStacks, load_adapter
-from engine_core.model_config import ModelConfig
-from engine_core.sleep import ParkedWeights, release_freed_memory
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.worker.lora import LoRAAdapter, LoRAStacks, load_adapter
+from pagoda.engine_core.worker.sleep import ParkedWeights, release_freed_memory
 
 if TYPE_CHECKING:
-    from engine_core.models.llama import LlamaModel
+    from pagoda.engine_core.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 

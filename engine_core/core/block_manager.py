@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine_core.request import Request
+from pagoda.engine_core.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -12,25 +12,36 @@ import time
 import uuid
 from concurrent.futures import wait
 from dataclasses import dataclass, replace
-from typing import Any, cast
 
-from engine_core.block_manager import BlockManager
-from engine_core.config import EngineConfig, default_max_num_batched_tokens
-from engine_core.engine_utilities import EngineUtilities
-from engine_core.executor import InProcessExecutor
-from engine_core.lora_manager import LoRAManager, LoRARunner
-from engine_core.model_config import (
+from pagoda.engine_core.config import EngineConfig, default_max_num_batched_tokens
+from pagoda.engine_core.core.block_manager import BlockManager
+from pagoda.engine_core.core.engine_utilities import EngineUtilities
+from pagoda.engine_core.core.lora_manager import LoRAManager, WorkerLoRA
+from pagoda.engine_core.core.plan import GrammarBitmask, SchedulePlan, StepResult
+from pagoda.engine_core.core.request import Request
+from pagoda.engine_core.core.scheduler import Scheduler
+from pagoda.engine_core.executor import create_executor, device_type
+from pagoda.engine_core.model_config import (
     DEFAULT_MODEL_NAME,
     ModelConfig,
     load_model_config,
     resolve_model_path,
     supported_tasks,
 )
-from engine_core.request import Request
-from engine_core.scheduler import Scheduler
-from engine_core.structured_output import StructuredOutputManager
-from engine_core.tokenizer_files import tokenizer_dir_for
-from protocol.messages import PROTOCOL_VERSION, AddRequest, Ready, RequestDelta, SchedulerStats
+from pagoda.engine_core.structured_output.manager import (
+    StructuredOutputManager,
+    advance_matcher,
+    fill_grammar_bitmask,
+    new_matcher,
+)
+from pagoda.engine_core.tokenizer_files import tokenizer_dir_for
+from pagoda.protocol.messages import (
+    PROTOCOL_VERSION,
+    AddRequest,
+    Ready,
+    RequestDelta,
+    SchedulerStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +67,7 @@ class EngineCore(EngineUtilities):
         started = time.monotonic()
         self.config = config
         self.engine_id = uuid.uuid4().hex[:8]
-        self._profiler: Any = None
+        self._profiling = False
         # Sleep mode: which of SLEEP_TAGS are out of memory now.
         self._asleep: set[str] = set()
         model_path = resolve_model_path(config.model)
@@ -64,13 +75,11 @@ class EngineCore(EngineUtilities):
         tasks = supported_tasks(self.model_config, config.runner)
         budget = config.max_num_batched_tokens
         if budget is None:
-            from engine_core.model_runner import resolve_device
-
-            device = resolve_device(config.device).type
-            budget = default_max_num_batched_tokens("generate" not in tasks, device)
+            budget = default_max_num_batched_tokens("generate" not in tasks, device_type(config))
             self.config = config = replace(config, max_num_batched_tokens=budget)
         self.max_num_batched_tokens: int = budget
-        self.executor = InProcessExecutor(config, self.model_config)
+        self.executor = create_executor(config, self.model_config)
+        worker = self.executor.collective_rpc("describe")[0]
         num_blocks = self.executor.initialize_kv_cache()
         max_model_len = self._max_model_len(num_blocks, pooling_only="generate" not in tasks)
         # An encoder's blocks are bookkeeping only: nothing there to find again.
@@ -108,14 +117,14 @@ class EngineCore(EngineUtilities):
             "engine %s: tasks %s%s",
             self.engine_id,
             tasks,
-            f", pooling {self.executor.runner.pooler}" if "embed" in tasks else "",
+            f", pooling {worker.pooler}" if "embed" in tasks else "",
         )
         logger.info(
             "engine %s ready in %.1f s: %s, dtype %s, %d KV blocks of %d, max_model_len %d",
             self.engine_id,
             time.monotonic() - started,
             model_path,
-            self.executor.dtype_name,
+            worker.dtype,
             num_blocks,
             config.block_size,
             max_model_len,
@@ -127,7 +136,7 @@ class EngineCore(EngineUtilities):
             return None
         if self.model_config.is_encoder:
             raise ValueError("LoRA adapters are supported on Llama-family decoders only")
-        manager = LoRAManager(cast(LoRARunner, self.executor.runner), self.config.max_loras)
+        manager = LoRAManager(WorkerLoRA(self.executor), self.config.max_loras)
         for name, path in self.config.lora_modules:
             manager.add(name, path)
         return manager
@@ -285,8 +294,41 @@ class EngineCore(EngineUtilities):
                 # Only grammars in flight: wait for one rather than spin.
                 wait([r.grammar for r in self._compiling.values() if r.grammar], timeout=0.02)
             return failed
+        plan.grammar_bitmask = self._grammar_bitmask(plan)
         result = self.executor.execute(plan)
-        return failed + self.scheduler.update(plan, result)
+        ended = self._advance_grammars(plan, result)
+        return failed + self.scheduler.update(plan, result, ended)
+
+    def _grammar_bitmask(self, plan: SchedulePlan) -> GrammarBitmask | None:
+        """The allowed next tokens of the constrained requests that sample in this step."""
+        rows = []
+        requests = self.scheduler.requests
+        for request_id, n in plan.num_scheduled_tokens.items():
+            request = requests[request_id]
+            if request.grammar is None or request.is_pooling:
+                continue
+            if request.num_computed_tokens + n < request.num_tokens:
+                continue  # a prompt chunk short of the end: nothing is sampled
+            if request.matcher is None:
+                request.matcher = new_matcher(request.grammar.result(), request.output_token_ids)
+            rows.append((request_id, request.matcher))
+        if not rows:
+            return None
+        return fill_grammar_bitmask(rows, self.model_config.vocab_size)
+
+    def _advance_grammars(self, plan: SchedulePlan, result: StepResult) -> set[str]:
+        """Feed the sampled tokens to their matchers; the requests whose grammar ended."""
+        ended: set[str] = set()
+        if plan.grammar_bitmask is None:
+            return ended
+        for request_id in plan.grammar_bitmask.request_ids:
+            token_id = result.sampled_token_ids.get(request_id)
+            request = self.scheduler.requests.get(request_id)
+            if token_id is None or request is None or request.matcher is None:
+                continue
+            if advance_matcher(request.matcher, token_id):
+                ended.add(request_id)
+        return ended
 
     def _reap_grammars(self) -> list[tuple[Request, RequestDelta]]:
         """Forget compiled grammars' requests; fail those whose grammar did not compile."""

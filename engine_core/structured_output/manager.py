@@ -8,9 +8,10 @@ a compile still running at its deadline (--grammar-compile-timeout) is ended
 by killing the child, which frees its CPU and memory, and a warm spare child
 takes over at once, so a runaway schema cannot starve the requests after it.
 Compiled grammars come back serialized and are cached by their spec, so a
-schema used by many requests compiles once. The model runner then keeps one
-GrammarMatcher per request: before sampling it fills the request's row of a
-token bitmask, after sampling it advances the matcher with the chosen token.
+schema used by many requests compiles once. The engine core then keeps one
+GrammarMatcher per request: before a step that samples the request it fills
+the request's row of the plan's token bitmask (the worker masks the logits
+with it), after the step it advances the matcher with the sampled token.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine_core.grammar_compile import GrammarError
-from engine_core.grammar_worker import GrammarWorker, WorkerDied, WorkerTimeout
-from protocol.sampling_params import StructuredOutputsParams
-
-if TYPE_CHECKING:
-    import torch
+from pagoda.engine_core.core.plan import GrammarBitmask
+from pagoda.engine_core.structured_output.grammar_compile import GrammarError
+from pagoda.engine_core.structured_output.grammar_worker import (
+    GrammarWorker,
+    WorkerDied,
+    WorkerTimeout,
+)
+from pagoda.protocol.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -245,18 +248,18 @@ def new_matcher(compiled: Any, output_token_ids: list[int]) -> Any:
     return matcher
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
-    """Mask, in place, every token the grammar forbids next on the given rows.
-
-    logits: float32 [batch, vocab]; rows: (row index, matcher) of constrained rows.
-    """
+def fill_grammar_bitmask(rows: list[tuple[str, Any]], vocab_size: int) -> GrammarBitmask:
+    """The next-token bitmask of each (request id, matcher), as the plan carries it."""
     import xgrammar as xgr
 
-    batch, vocab = logits.shape
-    bitmask = xgr.allocate_token_bitmask(batch, vocab)  # int32 [batch, ceil(vocab / 32)]
-    for i, matcher in rows:
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)  # int32 [rows, ceil(vocab/32)]
+    for i, (_, matcher) in enumerate(rows):
         matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[i for i, _ in rows])
+    return GrammarBitmask(
+        request_ids=[request_id for request_id, _ in rows],
+        words=int(bitmask.shape[1]),
+        data=bitmask.numpy().astype("<i4", copy=False).tobytes(),
+    )
 
 
 def advance_matcher(matcher: Any, token_id: int) -> bool:

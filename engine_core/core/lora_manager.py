@@ -1,7 +1,7 @@
 """LoRAManager: the engine's registry of adapters and its add/remove/pin/list calls.
 
-Imports no torch: the runner (behind `LoRARunner`) reads the weights and
-owns the device slots; this class keeps names, paths, ranks and pins, and
+Imports no torch: the workers (reached through the executor, `WorkerLoRA`)
+read the weights and own the device slots; this class keeps names, paths, ranks and pins, and
 the LoRASlots table the scheduler consults. Every registered adapter is
 kept in host memory, so a request for one that was evicted from its slot
 reloads it from there, never from disk.
@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine_core.lora_slots import LoRASlots
-from protocol.messages import LoRARequest
+from pagoda.engine_core.core.lora_slots import LoRASlots
+from pagoda.engine_core.executor.base import Executor
+from pagoda.protocol.messages import LoRARequest
 
 
 class LoRAError(ValueError):
@@ -28,6 +29,22 @@ class LoRARunner(Protocol):
     def register_lora(self, name: str, path: str) -> int: ...
     def unregister_lora(self, name: str) -> None: ...
     def load_lora(self, slot: int, name: str) -> None: ...
+
+
+class WorkerLoRA:
+    """The LoRARunner calls, made on every worker through the executor."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def register_lora(self, name: str, path: str) -> int:
+        return int(self.executor.collective_rpc("register_lora", (name, path))[0])
+
+    def unregister_lora(self, name: str) -> None:
+        self.executor.collective_rpc("unregister_lora", (name,))
+
+    def load_lora(self, slot: int, name: str) -> None:
+        self.executor.collective_rpc("load_lora", (slot, name))
 
 
 @dataclass

@@ -12,9 +12,9 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from protocol.messages import Logprobs, RequestTimings
-from protocol.pooling_params import PoolingParams
-from protocol.sampling_params import SamplingParams
+from pagoda.protocol.messages import Logprobs, RequestTimings
+from pagoda.protocol.pooling_params import PoolingParams
+from pagoda.protocol.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +72,9 @@ class Request:
         # The compiled output grammar, when structured_outputs is set; the
         # request waits until compilation is done.
         self.grammar: Future[Any] | None = None
+        # Its xgrammar GrammarMatcher once scheduled, advanced token by token
+        # by the engine core (it survives preemption: nothing to replay).
+        self.matcher: Any = None
 
     @property
     def is_ready(self) -> bool:

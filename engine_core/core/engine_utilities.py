@@ -8,15 +8,14 @@ state EngineCore builds.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
-from engine_core.config import EngineConfig
-from engine_core.executor import InProcessExecutor
-from engine_core.lora_manager import LoRAManager
-from engine_core.request import Request
-from engine_core.scheduler import Scheduler
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.lora_manager import LoRAManager
+from pagoda.engine_core.core.request import Request
+from pagoda.engine_core.core.scheduler import Scheduler
+from pagoda.engine_core.executor.base import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +33,9 @@ class EngineUtilities:
     config: EngineConfig
     engine_id: str
     scheduler: Scheduler
-    executor: InProcessExecutor
+    executor: Executor
     lora: LoRAManager | None
-    _profiler: Any
+    _profiling: bool  # a trace is running on the workers
     _asleep: set[str]  # which of SLEEP_TAGS are out of memory now
     _compiling: dict[str, Request]
 
@@ -45,33 +44,25 @@ class EngineUtilities:
         return True
 
     def start_profile(self) -> bool:
-        """Start a torch.profiler trace of the engine's steps."""
+        """Start a torch.profiler trace of the workers' steps."""
         if self.config.profiler_dir is None:
             raise ValueError("profiling is off: start the engine with --profiler-dir DIR")
-        if self._profiler is not None:
+        if self._profiling:
             raise ValueError("a profile is already running")
-        import torch.profiler
-
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.executor.runner.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-        self._profiler.start()
+        self.executor.collective_rpc("start_profile")
+        self._profiling = True
         return True
 
     def stop_profile(self) -> str:
-        """Stop the trace; returns the path of the Chrome/Perfetto trace file."""
-        if self._profiler is None:
+        """Stop the trace; returns the path of rank 0's Chrome/Perfetto trace file."""
+        if not self._profiling:
             raise ValueError("no profile is running")
-        profiler, self._profiler = self._profiler, None
-        profiler.stop()
+        self._profiling = False
         assert self.config.profiler_dir is not None
-        os.makedirs(self.config.profiler_dir, exist_ok=True)
-        path = os.path.join(
-            self.config.profiler_dir, f"pagoda-engine-{self.engine_id}-{int(time.time())}.json"
+        paths = self.executor.collective_rpc(
+            "stop_profile", (self.config.profiler_dir, f"pagoda-engine-{self.engine_id}")
         )
-        profiler.export_chrome_trace(path)
-        return path
+        return str(paths[0])
 
     def sleep(self, level: int = 1) -> bool:
         """Free the KV cache and park (1) or drop (2) the weights; refused mid-request."""
@@ -85,7 +76,7 @@ class EngineUtilities:
         started = time.monotonic()
         # The cached prefixes live in the KV cache about to be freed.
         self.scheduler.block_manager.reset_prefix_cache()
-        self.executor.sleep(level, self.config.sleep_offload_dir)
+        self.executor.collective_rpc("sleep", (level, self.config.sleep_offload_dir))
         self._asleep = set(SLEEP_TAGS)
         logger.info("asleep at level %d in %.2f s", level, time.monotonic() - started)
         return True
@@ -98,8 +89,9 @@ class EngineUtilities:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use weights, kv_cache")
         todo = wanted & self._asleep
         started = time.monotonic()
-        self.executor.wake_up(
-            "weights" in todo, "kv_cache" in todo, self.scheduler.block_manager.num_blocks
+        self.executor.collective_rpc(
+            "wake_up",
+            ("weights" in todo, "kv_cache" in todo, self.scheduler.block_manager.num_blocks),
         )
         self._asleep -= todo
         logger.info("woke %s in %.2f s", sorted(todo) or "nothing", time.monotonic() - started)

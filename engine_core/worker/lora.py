@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.model_config import ModelConfig
-from kernels.lora import LoRAGroups, add_lora
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.kernels.lora import LoRAGroups, add_lora
 
 if TYPE_CHECKING:
-    from kernels.triton_ops.lora import LoRAIndex
+    from pagoda.kernels.triton_ops.lora import LoRAIndex
 
 # Fused projection of the model -> the PEFT module names it is made of, in order.
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
@@ -229,7 +229,7 @@ class LoRABatch:
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.index is not None:
-            from kernels.triton_ops.lora import add_lora as triton_add_lora
+            from pagoda.kernels.triton_ops.lora import add_lora as triton_add_lora
 
             a_stack, b_stack = self.stacks.stacks[(layer, fused)]
             return triton_add_lora(out, x, a_stack, b_stack, self.index)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.linear import pack_weight
+from pagoda.kernels.linear import pack_weight
 
 logger = logging.getLogger(__name__)
 

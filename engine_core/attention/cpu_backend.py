@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from pagoda.kernels import cpu_ops
 
 
 @dataclass

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_ops.cache import reshape_and_cache
-from kernels.triton_ops.decode_attention import paged_decode_attention
-from kernels.triton_ops.prefill_attention import paged_prefill_attention
+from pagoda.kernels.triton_ops.cache import reshape_and_cache
+from pagoda.kernels.triton_ops.decode_attention import paged_decode_attention
+from pagoda.kernels.triton_ops.prefill_attention import paged_prefill_attention
 
 
 @dataclass

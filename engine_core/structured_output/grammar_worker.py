@@ -11,7 +11,8 @@ big-endian + payload) and never pickle:
 - child → parent: first an empty "ready" frame, then per job one status byte
   (0: the CompiledGrammar's serialize_json(), 1: an error message) + UTF-8.
 
-Run as `python -m engine_core.grammar_worker PARENT_PID TOKENIZER_DIR VOCAB_SIZE STOP_IDS`.
+Run as `python -m pagoda.engine_core.structured_output.grammar_worker
+PARENT_PID TOKENIZER_DIR VOCAB_SIZE STOP_IDS`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import IO
 
 import msgspec
 
-from protocol.sampling_params import StructuredOutputsParams
+from pagoda.protocol.sampling_params import StructuredOutputsParams
 
 _LEN = struct.Struct(">I")
 _OK, _ERROR = 0, 1
@@ -48,7 +49,7 @@ class GrammarWorker:
         argv = [
             sys.executable,
             "-m",
-            "engine_core.grammar_worker",
+            "pagoda.engine_core.structured_output.grammar_worker",
             str(os.getpid()),
             tokenizer_path,
             str(vocab_size),
@@ -152,7 +153,7 @@ def main(argv: list[str]) -> int:
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
-    from engine_core.grammar_compile import compile_with, describe_error
+    from pagoda.engine_core.structured_output.grammar_compile import compile_with, describe_error
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_path)
     info = xgr.TokenizerInfo.from_huggingface(

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.triton_attention import TritonAttentionMetadata
+from pagoda.engine_core.attention.triton_backend import TritonAttentionMetadata
 
 if TYPE_CHECKING:
-    from engine_core.models.llama import LlamaModel
+    from pagoda.engine_core.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 

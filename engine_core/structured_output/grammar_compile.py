@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any
 
-from protocol.sampling_params import StructuredOutputsParams
+from pagoda.protocol.sampling_params import StructuredOutputsParams
 
 
 class GrammarError(ValueError):

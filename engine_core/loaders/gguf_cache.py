@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine_core.envs import cache_root
+from pagoda.protocol.envs import cache_root
 
 _VERSION = 1  # bump when what is cached changes meaning
 
@@ -44,7 +44,7 @@ def store_config(gguf_path: str, config: Any) -> None:
 
 
 # The cached tensor files: the dequantized weights, and the quantized blocks
-# as stored (engine_core.weights.load_gguf_blocks).
+# as stored (pagoda.engine_core.loaders.weights.load_gguf_blocks).
 WEIGHTS_FILE = "model.safetensors"
 BLOCKS_FILE = "blocks.safetensors"
 

@@ -19,11 +19,11 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from engine_core.block_manager import BlockManager
-from engine_core.lora_slots import LoRASlots
-from engine_core.plan import CachedRequestData, NewRequestData, SchedulePlan, StepResult
-from engine_core.request import Request, RequestStatus
-from protocol.messages import RequestDelta, SchedulerStats
+from pagoda.engine_core.core.block_manager import BlockManager
+from pagoda.engine_core.core.lora_slots import LoRASlots
+from pagoda.engine_core.core.plan import CachedRequestData, NewRequestData, SchedulePlan, StepResult
+from pagoda.engine_core.core.request import Request, RequestStatus
+from pagoda.protocol.messages import RequestDelta, SchedulerStats
 
 
 class Scheduler:
@@ -111,7 +111,9 @@ class Scheduler:
             block_ids = self.block_manager.get_block_ids(request.request_id)
             cached_reqs.append(
                 CachedRequestData(
-                    request.request_id, block_ids[num_old_blocks:], request.num_computed_tokens
+                    request_id=request.request_id,
+                    new_block_ids=block_ids[num_old_blocks:],
+                    num_computed_tokens=request.num_computed_tokens,
                 )
             )
             i += 1
@@ -155,7 +157,6 @@ class Scheduler:
                     block_ids=list(self.block_manager.get_block_ids(request.request_id)),
                     num_computed_tokens=num_hit,
                     sampling_params=request.sampling_params,
-                    grammar=request.grammar.result() if request.grammar is not None else None,
                     pooling_params=request.pooling_params,
                     lora_slot=request.lora_slot,
                 )
@@ -165,14 +166,27 @@ class Scheduler:
         finished = self._finished_since_last_plan
         self._finished_since_last_plan = []
         loads = self.lora_slots.take_pending_loads() if self.lora_slots is not None else []
-        return SchedulePlan(new_reqs, cached_reqs, num_scheduled, finished, loads)
+        return SchedulePlan(
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            finished_request_ids=finished,
+            lora_loads=loads,
+        )
 
     # ----------------------------------------------------------------- update
 
-    def update(self, plan: SchedulePlan, result: StepResult) -> list[tuple[Request, RequestDelta]]:
+    def update(
+        self,
+        plan: SchedulePlan,
+        result: StepResult,
+        grammar_terminated: frozenset[str] | set[str] = frozenset(),
+    ) -> list[tuple[Request, RequestDelta]]:
         """Advance progress, append sampled tokens, apply stop rules.
 
-        Returns (request, delta) for every request that produced something.
+        `grammar_terminated`: requests whose grammar reached its end with this
+        step's token (they stop). Returns (request, delta) for every request
+        that produced something.
         """
         deltas: list[tuple[Request, RequestDelta]] = []
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
@@ -208,7 +222,7 @@ class Scheduler:
                 request.first_token_at = time.monotonic()
             request.append_output_token(token_id)
             done = request.check_stop(self.max_model_len)
-            if not done and request_id in result.grammar_terminated:
+            if not done and request_id in grammar_terminated:
                 request.finish_reason = "stop"
                 done = True
             logprobs = result.logprobs.get(request_id)

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.token_history import TokenHistory
-from kernels import cpu_ops, sampling
-from protocol.messages import Logprobs
-from protocol.sampling_params import SamplingParams
+from pagoda.engine_core.core.plan import GrammarBitmask
+from pagoda.engine_core.worker.token_history import TokenHistory
+from pagoda.kernels import cpu_ops, sampling
+from pagoda.protocol.messages import Logprobs
+from pagoda.protocol.sampling_params import SamplingParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -145,3 +146,19 @@ def prompt_logprobs(
     """Logprobs of prompt tokens given what precedes them."""
     raw = torch.log_softmax(logits, dim=-1)
     return _gather_logprobs(raw, next_token_ids, [num_top] * len(next_token_ids))  # type: ignore[return-value]
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, row_ids: list[str], mask: GrammarBitmask) -> None:
+    """Mask, in place, every token the plan's grammar bitmask forbids.
+
+    logits: float32 [batch, vocab], row i belonging to request row_ids[i];
+    every request of the mask samples in this batch.
+    """
+    import xgrammar as xgr
+
+    where = {request_id: i for i, request_id in enumerate(row_ids)}
+    rows = [where[request_id] for request_id in mask.request_ids]
+    bits = torch.frombuffer(bytearray(mask.data), dtype=torch.int32).view(len(rows), mask.words)
+    full = torch.full((logits.shape[0], mask.words), -1, dtype=torch.int32)  # -1: all allowed
+    full[rows] = bits
+    xgr.apply_token_bitmask_inplace(logits, full, indices=rows)

@@ -1,0 +1,21 @@
+"""Executors: how the engine core reaches its workers (see base.py)."""
+
+from __future__ import annotations
+
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.executor.base import Executor
+from pagoda.engine_core.model_config import ModelConfig
+
+
+def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
+    """The executor for this config; its workers are loaded when this returns."""
+    from pagoda.engine_core.executor.uni import UniExecutor
+
+    return UniExecutor(config, model_config)
+
+
+def device_type(config: EngineConfig) -> str:
+    """ "cpu" or "cuda": where this config's workers will run."""
+    from pagoda.engine_core.worker.worker import device_type as worker_device_type
+
+    return worker_device_type(config)

@@ -1,0 +1,47 @@
+"""Executor: the only door from the engine core to its workers.
+
+The engine core calls these five things and nothing else of the compute
+side: `initialize_kv_cache()`, `execute(plan)`, `collective_rpc(method,
+...)`, `check_health()`, `shutdown()`. What crosses is plain data
+(engine_core/core/plan.py), so the workers may live in this process (`uni`),
+in a process per local rank (`mp`, one module beside this one) or in Ray
+actors (`ray`, likewise): each is a subclass here, chosen by
+`create_executor`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pagoda.engine_core.core.plan import SchedulePlan, StepResult
+
+
+class Executor(ABC):
+    """Runs each step's plan on every worker; the result comes from the one that samples."""
+
+    @abstractmethod
+    def initialize_kv_cache(self) -> int:
+        """Allocate every rank's KV cache; returns the number of blocks (the same on all)."""
+
+    @abstractmethod
+    def execute(self, plan: SchedulePlan) -> StepResult:
+        """Run one step on every rank."""
+
+    @abstractmethod
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call a Worker method by name on every rank; its results, in rank order.
+
+        Arguments and results are plain values. A rank's exception is raised
+        here (the first, in rank order).
+        """
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if a worker is dead or unresponsive."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and free what they hold."""

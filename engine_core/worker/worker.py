@@ -1,0 +1,127 @@
+"""Worker: one rank's device, model, KV cache and model runner.
+
+An executor owns one Worker per rank (one today, in the engine-core
+process) and reaches it only through `execute_model(plan)` and the named
+control calls of `collective_rpc`: the public methods below. Their
+arguments and results are plain values, so a worker in another process
+takes the same calls over a channel.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import torch
+
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.plan import SchedulePlan, StepResult
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.worker.encoder_runner import EncoderRunner
+from pagoda.engine_core.worker.model_runner import ModelRunner, resolve_device
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    """What a worker reports once loaded (logged by the engine core)."""
+
+    rank: int
+    device: str  # "cpu", "cuda:0" ...
+    dtype: str  # "bfloat16" ...
+    pooler: str  # the default pooler (used by the embed task)
+
+
+def device_type(config: EngineConfig) -> str:
+    """Where the workers of this config run: "cpu" or "cuda" ("auto": CUDA if torch sees one)."""
+    return resolve_device(config.device).type
+
+
+class Worker:
+    """One rank: builds its runner (a decoder's ModelRunner or an encoder's EncoderRunner)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.runner: ModelRunner | EncoderRunner
+        if model_config.is_encoder:
+            self.runner = EncoderRunner(config, model_config)
+        else:
+            self.runner = ModelRunner(config, model_config)
+        self._profiler: torch.profiler.profile | None = None
+
+    # ----------------------------------------------------------------- step
+
+    def initialize_kv_cache(self) -> int:
+        """Allocate the paged KV cache from the memory budget; returns its number of blocks."""
+        return self.runner.allocate_kv_cache()
+
+    def execute_model(self, plan: SchedulePlan) -> StepResult:
+        return self.runner.execute(plan)
+
+    # -------------------------------------------------------- control calls
+
+    def describe(self) -> WorkerInfo:
+        runner = self.runner
+        return WorkerInfo(
+            rank=self.rank,
+            device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            pooler=str(runner.pooler),
+        )
+
+    def check_health(self) -> bool:
+        return True
+
+    def sleep(self, level: int, spill_dir: str | None) -> None:
+        """Free the KV cache; park the weights (level 1) or drop them (level 2)."""
+        runner = self.runner
+        if isinstance(runner, EncoderRunner):
+            raise RuntimeError("sleep mode is not supported for encoder (pooling) models")
+        runner.release_kv_cache()
+        runner.offload_weights(keep_copy=level == 1, spill_dir=spill_dir)
+
+    def wake_up(self, weights: bool, kv_cache: bool, num_blocks: int) -> None:
+        runner = self.runner
+        if isinstance(runner, EncoderRunner):
+            return  # never asleep
+        if weights:
+            runner.reload_weights()
+        if kv_cache:
+            runner.allocate_kv_cache(num_blocks)
+
+    def register_lora(self, name: str, path: str) -> int:
+        """Read an adapter into host memory; returns its rank."""
+        return self._decoder("LoRA adapters").register_lora(name, path)
+
+    def unregister_lora(self, name: str) -> None:
+        self._decoder("LoRA adapters").unregister_lora(name)
+
+    def load_lora(self, slot: int, name: str) -> None:
+        self._decoder("LoRA adapters").load_lora(slot, name)
+
+    def start_profile(self) -> None:
+        """Start a torch.profiler trace of this rank's steps."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+
+    def stop_profile(self, directory: str, name: str) -> str:
+        """Stop the trace and write it as DIRECTORY/NAME-rankR-TIME.json; returns the path."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            raise ValueError("no profile is running")
+        profiler.stop()
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{name}-rank{self.rank}-{int(time.time())}.json")
+        profiler.export_chrome_trace(path)
+        return path
+
+    def shutdown(self) -> None:
+        self._profiler = None
+
+    def _decoder(self, what: str) -> ModelRunner:
+        if isinstance(self.runner, EncoderRunner):
+            raise ValueError(f"{what} are supported on Llama-family decoders only")
+        return self.runner
