@@ -6,7 +6,10 @@
         print(out.outputs[0].text)
 
 The API server is built on this class. Outputs are deltas by default
-(`output_kind="delta"`): each RequestOutput carries only what is new.
+(`output_kind="delta"`): each RequestOutput carries only what is new. With
+`log_stats=True` it keeps Prometheus metrics (`self.metrics`, labelled with
+`served_model_name`): request latencies and token counts observed as deltas
+arrive, engine gauges read from the engine's stats.
 
 Pooling models (engines whose Ready lists "embed") answer `encode`:
 
@@ -22,10 +25,11 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagoda.frontend.dp_client import DPClient
 from pagoda.frontend.engine_client import AsyncMPClient, EngineDeadError
+from pagoda.frontend.metrics import FrontendMetrics
 from pagoda.frontend.output_processor import OutputKind, RequestState
 from pagoda.frontend.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.frontend.pooling import floats_from_bytes
@@ -34,9 +38,6 @@ from pagoda.frontend.tokenizer import Tokenizer
 from pagoda.protocol.messages import LoRARequest, RequestDelta
 from pagoda.protocol.pooling_params import PoolingParams
 from pagoda.protocol.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagoda.frontend.metrics import FrontendMetrics
 
 DeltaQueue = asyncio.Queue[tuple[int, RequestDelta | None, float]]
 
@@ -69,6 +70,7 @@ class AsyncLLM:
         client: AsyncMPClient | DPClient,
         tokenizer: Tokenizer,
         engine_process: subprocess.Popen[bytes] | None = None,
+        metrics: FrontendMetrics | None = None,
     ) -> None:
         assert client.ready is not None
         self.client = client
@@ -81,7 +83,7 @@ class AsyncLLM:
         self._engine_process = engine_process
         # request id -> (engine request ids, the queue its deltas arrive on)
         self._active: dict[str, tuple[list[str], DeltaQueue]] = {}
-        self.metrics: FrontendMetrics | None = None  # set by the API server
+        self.metrics = metrics
 
     # ------------------------------------------------------------ lifecycle
 
@@ -92,6 +94,8 @@ class AsyncLLM:
         chat_template: str | None = None,
         timeout: float = 120.0,
         curve_dir: str | None = None,
+        log_stats: bool = False,
+        served_model_name: str | None = None,
     ) -> AsyncLLM:
         """Attach to a running engine core (`curve_dir`: its CURVE keys, for tcp)."""
         # Several comma-separated addresses: data-parallel engine cores.
@@ -103,7 +107,10 @@ class AsyncLLM:
             client = AsyncMPClient(address, curve_dir=curve_dir)
         ready = await client.start(timeout=timeout)
         tokenizer = await asyncio.to_thread(Tokenizer, ready.tokenizer_path, chat_template)
-        return cls(client, tokenizer)
+        metrics = None
+        if log_stats:
+            metrics = FrontendMetrics.of_engine(client, served_model_name or ready.model_name)
+        return cls(client, tokenizer, metrics=metrics)
 
     @classmethod
     async def from_engine_args(
@@ -111,6 +118,7 @@ class AsyncLLM:
         model: str | None = None,
         chat_template: str | None = None,
         startup_timeout: float = 300.0,
+        log_stats: bool = False,
         **engine_args: Any,
     ) -> AsyncLLM:
         """Start an engine-core child process with these args and attach to it."""
@@ -134,7 +142,8 @@ class AsyncLLM:
             process.terminate()
             raise
         tokenizer = await asyncio.to_thread(Tokenizer, ready.tokenizer_path, chat_template)
-        return cls(client, tokenizer, process)
+        metrics = FrontendMetrics.of_engine(client, ready.model_name) if log_stats else None
+        return cls(client, tokenizer, process, metrics)
 
     async def shutdown(self) -> None:
         await self.client.close()

@@ -215,6 +215,8 @@ async def serve(ns: argparse.Namespace) -> int:
             chat_template=ns.chat_template,
             timeout=ns.engine_timeout,
             curve_dir=ns.curve_keys,
+            log_stats=True,
+            served_model_name=ns.served_model_name,
         )
     except EngineDeadError as e:
         log.error("%s", e)

@@ -176,6 +176,18 @@ class FrontendMetrics:
 
             multiprocess.MultiProcessCollector(self.registry)
 
+    @classmethod
+    def of_engine(cls, client: AsyncMPClient | DPClient, model_name: str) -> FrontendMetrics:
+        """Request metrics, and the gauges read from `client`'s latest engine stats."""
+        assert client.ready is not None
+        metrics = cls(model_name)
+        metrics.add_engine_collector(
+            EngineStatsCollector(
+                client, model_name, client.ready.block_size, client.ready.num_kv_blocks
+            )
+        )
+        return metrics
+
     def add_engine_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
 

@@ -160,7 +160,12 @@ async def _run_with_engine(
     argv = [sys.executable, "-m", "pagoda.engine_core.cli", "--address", address]
     process = subprocess.Popen([*argv, *engine_args_to_argv(ns)])
     try:
-        engine = await AsyncLLM.connect(address, chat_template=ns.chat_template)
+        engine = await AsyncLLM.connect(
+            address,
+            chat_template=ns.chat_template,
+            log_stats=True,
+            served_model_name=ns.served_model_name,
+        )
         config = FrontendConfig(
             served_model_name=ns.served_model_name,
             chat_template=ns.chat_template,
