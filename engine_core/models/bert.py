@@ -5,14 +5,14 @@ chunking: a batch of variable-length sequences arrives flat ([num_tokens]
 ids) with their lengths, is padded to [batch, max_len] with a key mask for
 attention, and leaves as one pooled vector per sequence (mean / CLS / last
 token over the real tokens, then L2-normalized when the model says so).
-Weights come from the safetensors (or pytorch_model.bin) files next to
-config.json, under HF's names with or without a `bert.` prefix.
+Weights come as (Hugging Face name, tensor) pairs from a loader
+(engine_core/loaders/), with or without a `bert.` prefix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,28 +37,6 @@ class EncoderLayer:
     ffn_norm: tuple[torch.Tensor, torch.Tensor]
 
 
-def load_encoder_weights(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, under HF's names without a `bert.` prefix."""
-    root = Path(path)
-    files = sorted(root.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        if files:
-            from safetensors.torch import load_file
-
-            for file in files:
-                tensors.update(load_file(str(file)))
-        elif (root / "pytorch_model.bin").is_file():
-            tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        else:
-            raise ModelLoadError(f"{path}: no *.safetensors or pytorch_model.bin files")
-    except ModelLoadError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors and torch raise many types
-        raise ModelLoadError(f"{path}: corrupt or unreadable weights: {e}") from e
-    return {name.removeprefix("bert."): t for name, t in tensors.items()}
-
-
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -70,15 +48,12 @@ _ACTIVATIONS = {
 class BertModel:
     """Weights plus the forward pass and pooling of a BERT encoder."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        """The model's shape; its weights come from load_weights."""
         assert config.encoder is not None, "BertModel needs an encoder config"
         self.config = config
+        self.dtype = dtype
+        self.device = device
         self.eps = config.encoder.layer_norm_eps
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
@@ -88,6 +63,13 @@ class BertModel:
                 f"{config.path}: activation {config.encoder.hidden_act!r} is not supported"
             )
         self.act = act
+        self.layers: list[EncoderLayer] = []
+
+    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take the checkpoint's (Hugging Face name, tensor) pairs, with or without
+        the `bert.` prefix."""
+        config, dtype, device = self.config, self.dtype, self.device
+        weights = {name.removeprefix("bert."): tensor for name, tensor in pairs}
 
         def take(name: str) -> torch.Tensor:
             tensor = weights.get(name)
@@ -103,7 +85,7 @@ class BertModel:
         # Every prompt is one segment: token type 0.
         self.token_type_embedding = take("embeddings.token_type_embeddings.weight")[0]
         self.embed_norm = norm("embeddings.LayerNorm")
-        self.layers: list[EncoderLayer] = []
+        self.layers = []
         for i in range(config.num_layers):
             p = f"encoder.layer.{i}"
             att = f"{p}.attention.self"

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from pagoda.kernels.linear import BlockWeight, Int4Weight, Linear, pack_int4
 
 if TYPE_CHECKING:
     from pagoda.engine_core.attention.triton_backend import TritonAttentionMetadata
-    from pagoda.engine_core.loaders.weights import GgufBlocks
+    from pagoda.engine_core.loaders.gguf import GgufBlocks
     from pagoda.engine_core.worker.lora import LoRABatch
 
 
@@ -85,21 +86,42 @@ def _physical_memory() -> int:
 class LlamaModel:
     """Weights plus the forward pass of a Llama-family decoder."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        int4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None,
-        gguf_blocks: dict[str, GgufBlocks] | None = None,
-    ) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        """The model's shape and tables; its weights come from load_weights."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        # The backend follows the device: Triton kernels on CUDA, torch on the CPU.
+        self.use_triton = device.type == "cuda"
+        # Fused elementwise kernels on the CPU. They round where the unfused
+        # torch ops (transformers') do; in float32 only a row sum's order
+        # differs. 4-8x faster than torch's float32 ops on 2 cores.
+        self.fused = device.type == "cpu" and cpu_ops.load_cpu_ops() is not None
+        inv_freq = rope_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
+        self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
+        self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def load_weights(
+        self,
+        pairs: Iterable[tuple[str, torch.Tensor]],
+        int4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None,
+        gguf_blocks: dict[str, GgufBlocks] | None = None,
+    ) -> None:
+        """Take the checkpoint's (Hugging Face name, tensor) pairs: fuse q|k|v and
+        gate|up, cast, move to the device, pack for the linears' kernels.
+
+        A GGUF model may also pass its 4-bit weights (`--quantization gguf`)
+        and its quantized blocks, under the same names (loaders/gguf.py).
+        """
+        config, dtype, device = self.config, self.dtype, self.device
+        weights = _by_short_name(pairs)
+        int4_weights = _by_short_name((int4_weights or {}).items())
+        gguf_blocks = _by_short_name((gguf_blocks or {}).items())
 
         def take(name: str) -> torch.Tensor:
             tensor = weights.pop(name, None)
@@ -180,17 +202,6 @@ class LlamaModel:
             self._load_layer(i, take, take_int4, take_blocks, small_rows)
             for i in range(config.num_layers)
         ]
-        # The backend follows the device: Triton kernels on CUDA, torch on the CPU.
-        self.use_triton = device.type == "cuda"
-        # Fused elementwise kernels on the CPU. They round where the unfused
-        # torch ops (transformers') do; in float32 only a row sum's order
-        # differs. 4-8x faster than torch's float32 ops on 2 cores.
-        self.fused = device.type == "cpu" and cpu_ops.load_cpu_ops() is not None
-        inv_freq = rope_inv_freq(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
-        self.rope_cos = freqs.cos().to(device=device, dtype=dtype)
-        self.rope_sin = freqs.sin().to(device=device, dtype=dtype)
 
     def _load_layer(
         self,
@@ -463,3 +474,31 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """Neox-style rotary embedding: rotate the two halves of each head."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+_T = TypeVar("_T")
+_HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)?\.?(\w+)\.(weight|bias)$")
+
+
+def _short_name(name: str) -> str | None:
+    """This module's name of a checkpoint tensor (`layers.3.q_proj.weight`), or
+    None for what the model does not read (e.g. rotary inv_freq buffers)."""
+    if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+        return "embed_tokens.weight"
+    if name in ("model.norm.weight", "norm.weight"):
+        return "norm.weight"
+    if name == "lm_head.weight":
+        return name
+    m = _HF_LAYER.match(name)
+    if m is None:
+        return None
+    return f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)}"
+
+
+def _by_short_name(pairs: Iterable[tuple[str, _T]]) -> dict[str, _T]:
+    out: dict[str, _T] = {}
+    for name, value in pairs:
+        short = _short_name(name)
+        if short is not None:
+            out[short] = value
+    return out

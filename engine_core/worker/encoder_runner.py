@@ -15,8 +15,10 @@ import torch
 
 from pagoda.engine_core.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
+from pagoda.engine_core.loaders.checkpoint import weight_pairs
 from pagoda.engine_core.model_config import ModelConfig, default_pooler
-from pagoda.engine_core.models.bert import BertModel, load_encoder_weights
+from pagoda.engine_core.models import model_class
+from pagoda.engine_core.models.bert import BertModel
 from pagoda.engine_core.worker.model_runner import resolve_device, resolve_dtype
 from pagoda.engine_core.worker.pooler import finish
 
@@ -34,8 +36,10 @@ class EncoderRunner:
         )
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        weights = load_encoder_weights(model_config.path)
-        self.model = BertModel(model_config, weights, self.dtype, self.device)
+        self.model: BertModel = model_class(model_config.architecture)(
+            model_config, self.dtype, self.device
+        )
+        self.model.load_weights(weight_pairs(model_config))
         self.pooler = default_pooler(model_config)
 
     def allocate_kv_cache(self) -> int:

@@ -20,8 +20,10 @@ import torch
 from pagoda.engine_core.attention.cpu_backend import AttentionMetadata, PrefillSeq
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import NewRequestData, SchedulePlan, StepResult
-from pagoda.engine_core.loaders.weights import load_gguf_blocks, load_int4_weights, load_weights
+from pagoda.engine_core.loaders.checkpoint import weight_pairs
+from pagoda.engine_core.loaders.gguf import load_gguf_blocks, load_int4_weights
 from pagoda.engine_core.model_config import ModelConfig, default_pooler
+from pagoda.engine_core.models import model_class
 from pagoda.engine_core.models.llama import LlamaModel
 from pagoda.engine_core.worker.lora import LoRAAdapter, LoRABatch, LoRAStacks
 from pagoda.engine_core.worker.pooler import finish, pool_flat
@@ -157,8 +159,11 @@ class ModelRunner(RunnerUtilities):
             and load_cpu_ops() is not None
         ):
             blocks = load_gguf_blocks(self.model_config)
-        weights = load_weights(self.model_config)
-        return LlamaModel(self.model_config, weights, self.dtype, self.device, int4, blocks)
+        model: LlamaModel = model_class(self.model_config.architecture)(
+            self.model_config, self.dtype, self.device
+        )
+        model.load_weights(weight_pairs(self.model_config), int4, blocks)
+        return model
 
     # ------------------------------------------------------------- KV cache
 

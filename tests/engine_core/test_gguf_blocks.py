@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pagoda.kernels.linear
-from pagoda.engine_core.loaders.weights import load_gguf_blocks, load_weights
+from pagoda.engine_core.loaders.gguf import gguf_weights, load_gguf_blocks
 from pagoda.engine_core.model_config import default_model_path, load_model_config
 from pagoda.engine_core.models.llama import LlamaModel
 from pagoda.kernels import cpu_ops
@@ -31,12 +31,12 @@ def dequantize(
 
 def test_q4_blocks_are_exactly_the_dequantized_weights() -> None:
     config = load_model_config(default_model_path())
-    dense = load_weights(config)
+    dense = dict(gguf_weights(config))
     blocks = load_gguf_blocks(config)  # the second call reads the cache
     assert blocks.keys() == load_gguf_blocks(config).keys()
     # 30 layers x q, k, v, o, gate, up, down (Q4_1), and the embeddings (Q8_0)
     assert len(blocks) == 7 * config.num_layers + 1
-    codes, _, offset = blocks["embed_tokens.weight"]
+    codes, _, offset = blocks["model.embed_tokens.weight"]
     assert codes.dtype == torch.int8 and offset is None
     for name, (codes, scale, offset) in blocks.items():
         if offset is not None:
@@ -48,11 +48,10 @@ def test_float32_model_streams_the_blocks_for_few_rows(monkeypatch: pytest.Monke
     if cpu_ops.load_cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernels")
     config = load_model_config(default_model_path())
-    weights = load_weights(config)
-    dense_qkv = torch.cat([weights[f"layers.0.{n}_proj.weight"] for n in "qkv"])
-    model = LlamaModel(
-        config, weights, torch.float32, torch.device("cpu"), gguf_blocks=load_gguf_blocks(config)
-    )
+    weights = dict(gguf_weights(config))
+    dense_qkv = torch.cat([weights[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
+    model = LlamaModel(config, torch.float32, torch.device("cpu"))
+    model.load_weights(weights.items(), gguf_blocks=load_gguf_blocks(config))
     layer = model.layers[0]
     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         assert linear.blocks is not None and linear.plain is None  # no second dense copy
@@ -66,13 +65,8 @@ def test_float32_model_streams_the_blocks_for_few_rows(monkeypatch: pytest.Monke
     # Half precision reads the same blocks (the unrounded weights) for few rows,
     # where the bfloat16 pairs kernel does not take over every row count.
     monkeypatch.setattr(pagoda.kernels.linear, "pairs_available", lambda: False)
-    bf16 = LlamaModel(
-        config,
-        load_weights(config),
-        torch.bfloat16,
-        torch.device("cpu"),
-        gguf_blocks=load_gguf_blocks(config),
-    )
+    bf16 = LlamaModel(config, torch.bfloat16, torch.device("cpu"))
+    bf16.load_weights(gguf_weights(config), gguf_blocks=load_gguf_blocks(config))
     assert bf16.layers[0].qkv_proj.blocks is not None and bf16.lm_head.blocks is not None
     x = torch.randn(2, config.hidden_size).bfloat16()
     torch.testing.assert_close(

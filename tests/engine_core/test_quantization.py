@@ -12,7 +12,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.engine import EngineCore
-from pagoda.engine_core.loaders.weights import load_int4_weights, load_weights
+from pagoda.engine_core.loaders.gguf import gguf_weights, load_int4_weights
 from pagoda.engine_core.model_config import ModelLoadError, default_model_path, load_model_config
 from pagoda.kernels.linear import int4_available
 from tests.engine_core.helpers import NUM_THREADS, assert_answers_paris
@@ -26,7 +26,7 @@ pytestmark = [
 
 def test_int4_weights_are_exactly_the_dequantized_ones() -> None:
     config = load_model_config(default_model_path())
-    dense = load_weights(config)
+    dense = dict(gguf_weights(config))
     int4 = load_int4_weights(config)
     # 30 layers x q, k, v, o, gate, up, down: every linear of the default model
     assert len(int4) == 7 * config.num_layers

@@ -1,84 +1,45 @@
-"""Weight loading: HF safetensors directories and GGUF files.
+"""GGUF files: their tensors as (Hugging Face name, float32 tensor) pairs.
 
-Both end as one dict of tensors under the model's own short names
-(`layers.3.q_proj.weight`, `embed_tokens.weight`, ...). GGUF tensors are
-dequantized to float32 here and cast to the engine dtype by the caller.
+llama.cpp's names become the Hugging Face checkpoint names
+(`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`), its
+rotary row permutation of q/k is undone and every tensor is dequantized to
+float32, so a model's `load_weights` reads a GGUF exactly as it reads
+safetensors. The few-row kernels and `--quantization gguf` also read the
+quantized blocks as stored (`load_gguf_blocks`, `load_int4_weights`).
+Everything derived is cached (gguf_cache.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
+from pagoda.engine_core.loaders import gguf_cache
 from pagoda.engine_core.model_config import ModelConfig, ModelLoadError, open_gguf
 
-_GGUF_NAMES = {
-    "token_embd": "embed_tokens",
-    "output_norm": "norm",
-    "output": "lm_head",
+# llama.cpp's tensor names → Hugging Face's, per layer and outside the layers.
+_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
-    "attn_q": "q_proj",
-    "attn_k": "k_proj",
-    "attn_v": "v_proj",
-    "attn_q_norm": "q_norm",
-    "attn_k_norm": "k_norm",
-    "attn_output": "o_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
-_HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)?\.?(\w+)\.(weight|bias)$")
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def load_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
-    if config.is_gguf:
-        return _load_gguf(config)
-    return _load_safetensors(config)
-
-
-def _load_safetensors(config: ModelConfig) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(Path(config.path).glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{config.path}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors = load_file(str(file))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file: {e}") from e
-        for name, tensor in tensors.items():
-            short = _hf_short_name(name)
-            if short is not None:
-                weights[short] = tensor
-    return weights
-
-
-def _hf_short_name(name: str) -> str | None:
-    if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
-        return "embed_tokens.weight"
-    if name in ("model.norm.weight", "norm.weight"):
-        return "norm.weight"
-    if name == "lm_head.weight":
-        return name
-    m = _HF_LAYER.match(name)
-    if m is None:
-        return None  # e.g. rotary inv_freq buffers
-    return f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)}"
-
-
-def _load_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
-    from pagoda.engine_core.loaders import gguf_cache
-
-    return _cached_tensors(config, gguf_cache.WEIGHTS_FILE, _dequantize_gguf)
+def gguf_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors, dequantized to float32, under Hugging Face's names."""
+    yield from _cached_tensors(config, gguf_cache.WEIGHTS_FILE, _dequantize_gguf).items()
 
 
 def _cached_tensors(
@@ -86,8 +47,6 @@ def _cached_tensors(
 ) -> dict[str, torch.Tensor]:
     """build(config), memory-mapped from the GGUF cache when an earlier load wrote it."""
     from safetensors.torch import load_file, save_file
-
-    from pagoda.engine_core.loaders import gguf_cache
 
     cached = gguf_cache.cached_weights_file(config.path, name)
     if cached is not None:
@@ -113,7 +72,7 @@ def _dequantize_gguf(config: ModelConfig) -> dict[str, torch.Tensor]:
     permute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _gguf_short_name(tensor.name)
+        name = hf_name(tensor.name)
         if name is None:
             continue
         try:
@@ -137,7 +96,7 @@ def load_int4_weights(config: ModelConfig) -> dict[str, tuple[torch.Tensor, ...]
 
     Each Q4_0 / Q4_1 tensor becomes (q [out, in] uint8 in 0..15, scale and
     zero [out, in / 32] float32) with w = (q - 8) * scale + zero: the values
-    `load_weights` dequantizes (up to the rounding of zero). Other tensor
+    `gguf_weights` dequantizes (up to the rounding of zero). Other tensor
     types are left out (those linears stay on the dense path).
     """
     if not config.is_gguf:
@@ -170,12 +129,10 @@ def load_gguf_blocks(config: ModelConfig) -> dict[str, GgufBlocks]:
     float32 per 32-element block. 4-bit: codes [out, in / 2] uint8, element j
     of a block in the low nibble of byte j and j + 16 in the high one,
     w = q * scale + offset. Q8_0: codes [out, in] int8, offset None,
-    w = q * scale. float32 arithmetic rounds both exactly as `load_weights`'
+    w = q * scale. float32 arithmetic rounds both exactly as `gguf_weights`'
     dequantization does. Other tensor types are left out. Cached beside the
     dequantized weights: reading them means parsing the GGUF's metadata.
     """
-    from pagoda.engine_core.loaders import gguf_cache
-
     if not config.is_gguf:
         raise ModelLoadError(f"{config.path}: quantized blocks need a GGUF model file")
     flat = _cached_tensors(config, gguf_cache.BLOCKS_FILE, _read_gguf_blocks)
@@ -191,7 +148,7 @@ def _read_gguf_blocks(config: ModelConfig) -> dict[str, torch.Tensor]:
     permute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     out: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _gguf_short_name(tensor.name)
+        name = hf_name(tensor.name)
         kind = tensor.tensor_type.name
         if name is None or kind not in _BLOCK_BYTES or name.split(".")[-2] not in _BLOCK_WEIGHTS:
             continue
@@ -217,13 +174,14 @@ def _read_gguf_blocks(config: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def _gguf_short_name(name: str) -> str | None:
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None for what models do not read)."""
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4:
-        short = _GGUF_NAMES.get(parts[2])
-        return f"layers.{parts[1]}.{short}.{parts[3]}" if short else None
-    if len(parts) == 2 and parts[0] in _GGUF_NAMES:
-        return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+        layer = _LAYER_NAMES.get(parts[2])
+        return f"model.layers.{parts[1]}.{layer}.{parts[3]}" if layer else None
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     return None
 
 
