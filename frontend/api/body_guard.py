@@ -8,7 +8,11 @@ Two things no route can check well once the body is parsed:
   decodes it into a str that the tokenizer and the UTF-8 response encoder then
   reject deep inside a handler. They are refused here with a 400 instead.
 
-The error is in the shape of the API the path belongs to.
+The error is in the shape of the API the path belongs to. On a WebSocket
+the same two checks apply to each message the client sends: one over
+`max_bytes` closes the connection with 1009 (message too big), a text
+message with a lone surrogate escape with 1007 (invalid payload); the route
+then receives a disconnect.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # told apart from "\\ud800" (a surrogate escape).
 _ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.S)
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+MESSAGE_TOO_BIG = 1009
+INVALID_PAYLOAD = 1007
 
 
 def has_lone_surrogate(body: bytes) -> bool:
@@ -61,6 +67,9 @@ class BodyGuard:
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self.app(scope, self._guard_messages(receive, send), send)
+            return
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
@@ -102,6 +111,28 @@ class BodyGuard:
             return await receive()  # after the body: wait for the disconnect
 
         await self.app(scope, replay, send)
+
+    def _guard_messages(self, receive: Receive, send: Send) -> Receive:
+        """`receive` for a WebSocket route: each message checked as a body would be."""
+
+        async def guarded() -> Message:
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return message
+            text = message.get("text")
+            data: bytes = text.encode("utf-8", "surrogatepass") if text is not None else b""
+            data = data or message.get("bytes") or b""
+            code = None
+            if len(data) > self.max_bytes:
+                code = MESSAGE_TOO_BIG
+            elif text is not None and has_lone_surrogate(data):
+                code = INVALID_PAYLOAD
+            if code is None:
+                return message
+            await send({"type": "websocket.close", "code": code, "reason": ""})
+            return {"type": "websocket.disconnect", "code": code}
+
+        return guarded
 
     @staticmethod
     async def _refuse(scope: Scope, send: Send, err: APIError) -> None:

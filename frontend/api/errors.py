@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 
 from pagoda.protocol.sampling_params import SamplingParamsError
 
@@ -93,8 +94,8 @@ def anthropic_error_body(err: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
-def error_response(request: Request, err: APIError) -> JSONResponse:
-    """The error in the shape of the API the route belongs to."""
+def error_response(request: HTTPConnection, err: APIError) -> JSONResponse:
+    """The error in the shape of the API the route belongs to (HTTP or WebSocket scope)."""
     if request.url.path.startswith("/v1/messages"):
         return JSONResponse(anthropic_error_body(err), status_code=err.status, headers=err.headers)
     return err.response()

@@ -5,16 +5,20 @@ and, unless --metrics-require-auth, /metrics) needs one of the keys, as a
 bearer token or in X-API-Key. With --admin-api-key set, the engine-control
 and LoRA-admin routes need that key and only it: an API key is not enough.
 Keys are compared in constant time. CORS preflights (OPTIONS) pass through.
+WebSocket handshakes are checked the same way, by path, and refused before
+they are accepted (see `middleware.refuse`).
 """
 
 from __future__ import annotations
 
 import hmac
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from starlette.requests import HTTPConnection
 
 from pagoda.frontend.api.body_guard import ASGIApp, Receive, Scope, Send
-from pagoda.frontend.api.errors import APIError, error_response
+from pagoda.frontend.api.errors import APIError
+from pagoda.frontend.api.middleware import POLICY_VIOLATION, refuse
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 # Engine-control routes: when --admin-api-key is set they need it (and not --api-key).
@@ -41,7 +45,7 @@ def is_admin_path(path: str) -> bool:
     return path in ADMIN_PATHS or path.startswith("/v1/loras")
 
 
-def request_token(request: Request) -> bytes:
+def request_token(request: HTTPConnection) -> bytes:
     """The key a request carries: its bearer token, else its X-API-Key header."""
     header = request.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
@@ -66,7 +70,8 @@ def install_auth(
 
 
 class KeyCheck:
-    """The key checks as plain ASGI (see frontend/api/middleware.py for why)."""
+    """The key checks as plain ASGI, for HTTP and WebSocket scopes (see
+    frontend/api/middleware.py for why)."""
 
     def __init__(
         self, app: ASGIApp, keys: list[bytes], admin_key: bytes | None, open_paths: frozenset[str]
@@ -77,22 +82,22 @@ class KeyCheck:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            error = self.refusal(Request(scope))
+        if scope["type"] in ("http", "websocket"):
+            error = self.refusal(HTTPConnection(scope))
             if error is not None:
-                await error(scope, receive, send)
+                await refuse(scope, receive, send, error, POLICY_VIOLATION)
                 return
         await self.app(scope, receive, send)
 
-    def refusal(self, request: Request) -> Response | None:
-        path = request.url.path
-        if request.method == "OPTIONS" or path in self.open_paths:
+    def refusal(self, connection: HTTPConnection) -> APIError | None:
+        path = connection.url.path
+        if connection.scope.get("method") == "OPTIONS" or path in self.open_paths:
             return None
-        token = request_token(request)
+        token = request_token(connection)
         if self.admin_key is not None and is_admin_path(path):
             # Constant-time, and the admin key only: an API key is not enough here.
             if not hmac.compare_digest(token, self.admin_key):
-                return error_response(request, APIError(401, "invalid or missing admin key"))
+                return APIError(401, "invalid or missing admin key")
         elif self.keys and not any(hmac.compare_digest(token, k) for k in self.keys):
-            return error_response(request, APIError(401, "invalid or missing API key"))
+            return APIError(401, "invalid or missing API key")
         return None
