@@ -14,7 +14,7 @@ positions) over 30 layers' caches, so each layer's keys and values come
 from memory as in the model, in both cache layouts with each row's blocks
 in order and scattered; and prompt chunks of several lengths, one
 query row per token through the compiled kernel against one SDPA call per
-sequence (the runner's choice between them, COMPILED_PROMPT_MAX_LEN).
+sequence (the CPU backend's choice between them, COMPILED_PROMPT_MAX_LEN).
 
 Linears: the default model's 30 layers of projections (qkv, o, gate|up,
 down), each layer's weights its own so they come from memory as in the
@@ -37,10 +37,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from pagoda.engine_core.attention.backend import apply_rope as _apply_rope
 from pagoda.engine_core.attention.cpu_backend import prefill_attention
 from pagoda.engine_core.loaders.gguf import load_gguf_blocks
 from pagoda.engine_core.model_config import default_model_path, load_model_config
-from pagoda.engine_core.models.llama import _apply_rope
 from pagoda.kernels import cpu_ops
 from pagoda.kernels.linear import BlockWeight, pack_weight, pairs_available
 

@@ -1,8 +1,8 @@
-"""Paged attention on CUDA through the Triton kernels (kernels/triton_ops).
+"""The CUDA backend: the Triton kernels (kernels/triton_ops).
 
-The runner describes one step with TritonAttentionMetadata: decode rows (one
-query token each) first, then the prompt chunks back to back, as the CPU
-path orders them. New keys and values are written into the cache by slot,
+TritonBackend describes one step with TritonAttentionMetadata: decode rows
+(one query token each) first, then the prompt chunks back to back, as the
+CPU path orders them. New keys and values are written into the cache by slot,
 then decode rows run the paged decode kernel (split-K for wide block
 tables) and prompt chunks the prefill kernel, which reads everything,
 including the chunk's own keys, from the cache.
@@ -17,9 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.engine_core.attention.backend import AttentionBackend, StepBatch
+from pagoda.kernels.triton_ops.activation import silu_and_mul
 from pagoda.kernels.triton_ops.cache import reshape_and_cache
 from pagoda.kernels.triton_ops.decode_attention import paged_decode_attention
+from pagoda.kernels.triton_ops.norm import fused_add_rms_norm, rms_norm
 from pagoda.kernels.triton_ops.prefill_attention import paged_prefill_attention
+from pagoda.kernels.triton_ops.rotary import rotary_embedding
 
 
 @dataclass
@@ -106,3 +110,53 @@ def triton_paged_attention(
             out=out[nd:end],
         )
     return out
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention, RMSNorm, rotary and SiLU-and-mul as Triton kernels."""
+
+    name = "triton"
+    supports_last_rows = False
+    cuda_graphs = True
+
+    def build_metadata(self, batch: StepBatch) -> TritonAttentionMetadata:
+        prefills = [(p.query_len, p.context_len, p.block_ids) for p in batch.prefills]
+        return build_metadata(
+            batch.slots, batch.decode_tables, batch.decode_lens, prefills, self.device
+        )
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TritonAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return triton_paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_add_rms_norm(x, residual, weight, eps)  # in place
+        return x, residual
+
+    def rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # In place on the (strided) views of qkv; the kernels take the strides.
+        rotary_embedding(positions, q, k, cos, sin, is_neox=True)
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)

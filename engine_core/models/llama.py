@@ -1,14 +1,12 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in plain torch.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3).
 
 One implementation covers them all: Qwen2 adds a bias to q/k/v, Qwen3 adds
 a per-head RMSNorm on q and k. Projections are fused at load (q|k|v into one
 matmul, gate|up into another) because on CPU fewer, larger matmuls are
 faster. Tokens arrive flat: [num_tokens] ids and positions for the whole
-batch, with attention described by AttentionMetadata.
-
-On CUDA the same weights run through the Triton kernels (kernels/triton_ops):
-RMSNorm, fused add + RMSNorm, rotary in place, SiLU-and-mul and paged
-attention, described by TritonAttentionMetadata. The CPU path is untouched.
+batch, with attention described by the backend's metadata. Everything that
+differs by device (paged attention, the cache layout, the fused elementwise
+kernels) is the attention backend's (engine_core/attention/), chosen once.
 """
 
 from __future__ import annotations
@@ -18,18 +16,17 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from pagoda.engine_core.attention.cpu_backend import AttentionMetadata, paged_attention
+from pagoda.engine_core.attention import AttentionBackend, select_backend
+from pagoda.engine_core.attention.backend import rms_norm_torch
 from pagoda.engine_core.model_config import ModelConfig, ModelLoadError
-from pagoda.kernels import cpu_ops
 from pagoda.kernels.linear import BlockWeight, Int4Weight, Linear, pack_int4
 
 if TYPE_CHECKING:
-    from pagoda.engine_core.attention.triton_backend import TritonAttentionMetadata
     from pagoda.engine_core.loaders.gguf import GgufBlocks
     from pagoda.engine_core.worker.lora import LoRABatch
 
@@ -86,20 +83,21 @@ def _physical_memory() -> int:
 class LlamaModel:
     """Weights plus the forward pass of a Llama-family decoder."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: AttentionBackend | None = None,
+    ) -> None:
         """The model's shape and tables; its weights come from load_weights."""
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.backend = backend or select_backend(device, dtype, config.head_dim)
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        # The backend follows the device: Triton kernels on CUDA, torch on the CPU.
-        self.use_triton = device.type == "cuda"
-        # Fused elementwise kernels on the CPU. They round where the unfused
-        # torch ops (transformers') do; in float32 only a row sum's order
-        # differs. 4-8x faster than torch's float32 ops on 2 cores.
-        self.fused = device.type == "cpu" and cpu_ops.load_cpu_ops() is not None
         inv_freq = rope_inv_freq(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
@@ -119,6 +117,7 @@ class LlamaModel:
         and its quantized blocks, under the same names (loaders/gguf.py).
         """
         config, dtype, device = self.config, self.dtype, self.device
+        packs_linears = self.backend.packs_linears
         weights = _by_short_name(pairs)
         int4_weights = _by_short_name((int4_weights or {}).items())
         gguf_blocks = _by_short_name((gguf_blocks or {}).items())
@@ -150,9 +149,7 @@ class LlamaModel:
             )
             * torch.tensor([], dtype=dtype).element_size()
         )
-        small_rows = (
-            device.type == "cpu" and layer_bytes <= _physical_memory() * SMALL_ROWS_MEMORY_SHARE
-        )
+        small_rows = packs_linears and layer_bytes <= _physical_memory() * SMALL_ROWS_MEMORY_SHARE
         blocks = gguf_blocks or {}
 
         def take_blocks(*names: str) -> BlockWeight | None:
@@ -161,7 +158,7 @@ class LlamaModel:
             the dense weights rounded are not quite them)."""
             found = [blocks.pop(name, None) for name in names]
             parts = [p for p in found if p is not None]
-            if device.type != "cpu" or len(parts) != len(found):
+            if not packs_linears or len(parts) != len(found):
                 return None
             offsets = [p[2] for p in parts]
             codes = torch.cat([p[0] for p in parts])
@@ -193,7 +190,7 @@ class LlamaModel:
         def take_int4(*names: str) -> Int4Weight | None:
             """The named linears' 4-bit weights fused along the output, if all have them."""
             parts = [int4.pop(name, None) for name in names]
-            if device.type != "cpu" or dtype != torch.bfloat16 or any(p is None for p in parts):
+            if not packs_linears or dtype != torch.bfloat16 or any(p is None for p in parts):
                 return None
             q, scale, zero = (torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[index]
             return pack_int4(q, scale, zero, dtype)
@@ -257,7 +254,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        meta: AttentionMetadata | TritonAttentionMetadata,
+        meta: Any,  # the backend's attention metadata for this step
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoRABatch | None = None,
         last_rows: torch.Tensor | None = None,
@@ -265,122 +262,71 @@ class LlamaModel:
         """Hidden states after the final norm → [num_tokens, hidden].
 
         With `lora`, each projection adds the LoRA delta of its token's adapter.
-        With `last_rows` (flat token indices), only those tokens' hidden states
-        are returned, [len(last_rows), hidden]: the last layer still writes
-        every token's keys and values, but its output projection and MLP run
-        on those rows alone (a prompt's other tokens feed no logits).
+        With `last_rows` (flat token indices; backends that support it), only
+        those tokens' hidden states are returned, [len(last_rows), hidden]: the
+        last layer still writes every token's keys and values, but its output
+        projection and MLP run on those rows alone (a prompt's other tokens
+        feed no logits).
         """
-        if self.use_triton:
-            return self._forward_triton(
-                input_ids, positions, cast("TritonAttentionMetadata", meta), kv_caches, lora
-            )
-        assert isinstance(meta, AttentionMetadata)
         assert last_rows is None or lora is None, "LoRA slots are per token"
+        backend = self.backend
+        cfg = self.config
+        eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
-        if not self.fused:
-            cos = self.rope_cos[positions][:, None, :]  # [num_tokens, 1, head_dim / 2]
-            sin = self.rope_sin[positions][:, None, :]
-        if self.fused:  # the fused kernel from a zero residual: residual = hidden, x = its norm
-            residual, x = torch.zeros_like(hidden), hidden
-            cpu_ops.fused_add_rms_norm(
-                x, residual, self.layers[0].input_layernorm, self.config.rms_norm_eps
-            )
-        else:
-            residual = hidden
-            x = self._rms_norm(residual, self.layers[0].input_layernorm)
+        x, residual = backend.first_norm(hidden, self.layers[0].input_layernorm, eps)
         last = len(self.layers) - 1
-        # A decode-only step goes from the fused qkv projection to attention
-        # in one compiled call a layer (rotary, cache write, attention).
-        one_call = self.fused and meta.compiled_decode_only and self.layers[0].q_norm is None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if one_call:
-                attn = cpu_ops.qkv_decode_attention(
-                    _project(layer.qkv_proj, x, lora, i, "qkv_proj"),
-                    self.config.num_heads,
+            qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
+            attn = None
+            if layer.q_norm is None:
+                attn = backend.qkv_attention(
+                    qkv,
+                    cfg.num_heads,
                     positions,
                     self.rope_cos,
                     self.rope_sin,
                     k_cache,
                     v_cache,
-                    meta.slot_mapping,
-                    meta.decode_block_tables,
-                    meta.decode_seq_lens,
+                    meta,
                     self.scale,
                 )
-            else:
-                q, k, v = self._qkv(layer, x, lora, i)
-                if self.fused:  # in place on the views of qkv
-                    cpu_ops.rotary_embedding(q, k, positions, self.rope_cos, self.rope_sin)
-                else:
-                    q = _apply_rope(q, cos, sin)
-                    k = _apply_rope(k, cos, sin)
-                attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            if attn is None:
+                q, k, v = self._split_qkv(layer, qkv)
+                q, k = backend.rotary(q, k, positions, self.rope_cos, self.rope_sin)
+                attn = backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)
             if i == last and last_rows is not None:
                 if last_rows.numel() == 0:  # a prompt chunk that samples nothing
                     return residual.new_empty((0, residual.shape[-1]))
                 attn, residual = attn[last_rows], residual[last_rows]
-            x, residual = self._add_rms_norm(
+            x, residual = backend.add_rms_norm(
                 _project(layer.o_proj, attn.flatten(1), lora, i, "o_proj"),
                 residual,
                 layer.post_attention_layernorm,
+                eps,
             )
             # silu(gate) * up straight from the projection where its kernel
             # does both (LoRA adds its delta to gate|up first).
             act = None if lora is not None else layer.gate_up_proj.silu_and_mul(x)
             if act is None:
-                gate_up = _project(layer.gate_up_proj, x, lora, i, "gate_up_proj")
-                act = self._silu_and_mul(gate_up)
+                act = backend.silu_and_mul(_project(layer.gate_up_proj, x, lora, i, "gate_up_proj"))
             mlp = _project(layer.down_proj, act, lora, i, "down_proj")
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
-            x, residual = self._add_rms_norm(mlp, residual, next_norm)
+            x, residual = backend.add_rms_norm(mlp, residual, next_norm, eps)
         return x
 
-    def _qkv(
-        self, layer: DecoderLayer, x: torch.Tensor, lora: LoRABatch | None, i: int
+    def _split_qkv(
+        self, layer: DecoderLayer, qkv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, heads, d], k and v [T, kv_heads, d]: views of one fused projection."""
+        """q [T, heads, d], k and v [T, kv_heads, d]: views of the fused projection."""
         cfg = self.config
-        qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = self._rms_norm(q, layer.q_norm)
-            k = self._rms_norm(k, layer.k_norm)
+            q = rms_norm_torch(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm_torch(k, layer.k_norm, cfg.rms_norm_eps)
         return q, k, v
-
-    def _forward_triton(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        meta: TritonAttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        lora: LoRABatch | None = None,
-    ) -> torch.Tensor:
-        """forward() through the Triton kernels; the same math, fewer passes over memory."""
-        from pagoda.engine_core.attention.triton_backend import triton_paged_attention
-        from pagoda.kernels.triton_ops.activation import silu_and_mul
-        from pagoda.kernels.triton_ops.norm import fused_add_rms_norm, rms_norm
-        from pagoda.kernels.triton_ops.rotary import rotary_embedding
-
-        cfg = self.config
-        eps = cfg.rms_norm_eps
-        residual = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden], fresh
-        x = rms_norm(residual, self.layers[0].input_layernorm, eps)
-        last = len(self.layers) - 1
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            q, k, v = self._qkv(layer, x, lora, i)
-            # In place on the (strided) views of qkv; the kernels take the strides.
-            rotary_embedding(positions, q, k, self.rope_cos, self.rope_sin, is_neox=True)
-            attn = triton_paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = _project(layer.o_proj, attn.flatten(1), lora, i, "o_proj")
-            fused_add_rms_norm(x, residual, layer.post_attention_layernorm, eps)
-            gate_up = _project(layer.gate_up_proj, x, lora, i, "gate_up_proj")
-            x = _project(layer.down_proj, silu_and_mul(gate_up), lora, i, "down_proj")
-            next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
-            fused_add_rms_norm(x, residual, next_norm, eps)
-        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num, hidden] → float32 logits [num, vocab].
@@ -408,15 +354,9 @@ class LlamaModel:
         else:
             weight = self.lm_head.weight
         bias = self.lm_head.bias
-        if self.fused and hidden.dtype == torch.bfloat16:
-            cpu_ops.refine_leading_logits(
-                logits,
-                hidden.contiguous(),
-                weight,
-                bias,
-                _MANTISSA_BITS[hidden.dtype],
-                _MAX_REFINED_PER_ROW,
-            )
+        if self.backend.refine_leading_logits(
+            logits, hidden, weight, bias, _MANTISSA_BITS[hidden.dtype], _MAX_REFINED_PER_ROW
+        ):
             return
         top = logits.amax(-1, keepdim=True)
         exponent = torch.floor(torch.log2(top.abs().clamp_min(2.0**-60)))
@@ -429,29 +369,6 @@ class LlamaModel:
         if bias is not None:
             exact += bias[cols].float()
         logits[rows, cols] = exact
-
-    def _add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x); fused in place when compiled ops allow."""
-        if self.fused:
-            cpu_ops.fused_add_rms_norm(x, residual, weight, self.config.rms_norm_eps)
-            return x, residual
-        residual = residual + x
-        return self._rms_norm(residual, weight), residual
-
-    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, 2 * inter] → silu(gate) * up, [num_tokens, inter]."""
-        if self.fused:
-            return cpu_ops.silu_and_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As HF does: normalize in float32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
 
 
 # Explicit mantissa bits of the half-precision dtypes (their rounding step).
@@ -468,12 +385,6 @@ def _project(
     if lora is not None:
         out = lora.apply(layer, name, x, out)
     return out
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotary embedding: rotate the two halves of each head."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 _T = TypeVar("_T")

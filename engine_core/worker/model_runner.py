@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.engine_core.attention.cpu_backend import AttentionMetadata, PrefillSeq
+from pagoda.engine_core.attention import PrefillChunk, StepBatch, select_backend
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import NewRequestData, SchedulePlan, StepResult
 from pagoda.engine_core.loaders.checkpoint import weight_pairs
@@ -36,31 +35,19 @@ from pagoda.engine_core.worker.sampler import (
 )
 from pagoda.engine_core.worker.sleep import ParkedWeights, release_freed_memory, reuse_freed_memory
 from pagoda.engine_core.worker.token_history import TokenHistory
-from pagoda.kernels.cpu_ops import (
-    SUPPORTED_HEAD_DIMS,
-    cpu_has_native,
-    has_bf16_attention,
-    load_cpu_ops,
-)
+from pagoda.kernels.cpu_ops import cpu_has_native, load_cpu_ops
 from pagoda.kernels.linear import int4_available, pairs_available
 from pagoda.kernels.lora import lora_groups
 from pagoda.protocol.pooling_params import PoolingParams
 from pagoda.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagoda.engine_core.attention.triton_backend import TritonAttentionMetadata
     from pagoda.engine_core.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 4 << 30
-# Prompts of up to this many positions are attended by the compiled kernel
-# rather than per-sequence SDPA (where that kernel has no AVX512-BF16 form).
-# float32 on 2 AVX2 cores, per layer: 64 prompts of 32 tokens 2.2-3.7 ms vs
-# 7.1-7.7 (SDPA); 32 of 128 13-14 vs 17-22; 16 of 256 25-28 vs 27-29; 8 of
-# 512 48-64 vs 41-50.
-COMPILED_PROMPT_MAX_LEN = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -105,10 +92,10 @@ class ModelRunner(RunnerUtilities):
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             reuse_freed_memory()
+        # Paged attention and the ops around it, chosen once for this device.
+        self.backend = select_backend(self.device, self.dtype, model_config.head_dim)
         self.model = self._load_model()
         self.block_size = config.block_size
-        # CUDA runs the Triton kernels (the model picks them by the same test).
-        self.use_triton = self.device.type == "cuda"
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.requests: dict[str, CachedRequestState] = {}
@@ -125,22 +112,6 @@ class ModelRunner(RunnerUtilities):
             self.lora_stacks = LoRAStacks(
                 model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device
             )
-        # Built (once per machine, then cached) before serving, not on the first step.
-        self.compiled_decode = (
-            self.device.type == "cpu"
-            and model_config.head_dim in SUPPORTED_HEAD_DIMS
-            and load_cpu_ops() is not None
-        )
-        # Prompt tokens through the same kernel, one query row per token, for
-        # the sequences it attends faster than per-sequence SDPA: all of them
-        # in its AVX512-BF16 form; otherwise those of at most
-        # COMPILED_PROMPT_MAX_LEN positions (a short prompt's SDPA call is
-        # mostly fixed cost; past that, SDPA's blocked matmuls win).
-        # None: no limit.
-        self.compiled_prompt_max_len: int | None = 0
-        if self.compiled_decode:
-            fast = self.dtype == torch.bfloat16 and has_bf16_attention()
-            self.compiled_prompt_max_len = None if fast else COMPILED_PROMPT_MAX_LEN
 
     def _load_model(self) -> LlamaModel:
         int4 = None
@@ -160,7 +131,7 @@ class ModelRunner(RunnerUtilities):
         ):
             blocks = load_gguf_blocks(self.model_config)
         model: LlamaModel = model_class(self.model_config.architecture)(
-            self.model_config, self.dtype, self.device
+            self.model_config, self.dtype, self.device, self.backend
         )
         model.load_weights(weight_pairs(self.model_config), int4, blocks)
         return model
@@ -173,22 +144,9 @@ class ModelRunner(RunnerUtilities):
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     def _cache(self, num_blocks: int) -> torch.Tensor:
-        """One layer's key (or value) cache, [num_blocks, block_size, kv_heads,
-        head_dim]. Where the compiled CPU kernels read it, it is stored heads
-        first (the transposed view of [num_blocks, kv_heads, block_size,
-        head_dim]), so that a decode work item, one query row and kv head,
-        reads each block's keys and values for its head as one run instead of
-        a slice of every position's row: a batch-64 decode step's attention
-        takes 7-9% less time in bfloat16, and up to 13% less in float32 once
-        blocks are scattered (`python scripts/bench_cpu_kernels.py
-        --attention`). The torch and Triton paths keep the plain layout, which
-        their gathers and kernels read without a copy."""
+        """One layer's key (or value) cache, in the backend's layout."""
         mc = self.model_config
-        if self.compiled_decode:
-            shape = (num_blocks, mc.num_kv_heads, self.block_size, mc.head_dim)
-            return torch.empty(shape, dtype=self.dtype, device=self.device).transpose(1, 2)
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self.backend.kv_cache(num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
         """Size the cache from the memory budget (or as given); returns the number of blocks."""
@@ -213,7 +171,7 @@ class ModelRunner(RunnerUtilities):
                 k.zero_()
                 v.zero_()
         # The captured decode graphs know nothing of adapters: LoRA decodes eagerly.
-        if self.use_triton and not self.config.enforce_eager and self.lora_stacks is None:
+        if self.backend.cuda_graphs and not self.config.enforce_eager and self.lora_stacks is None:
             self._capture_graphs(int(num_blocks))
         return int(num_blocks)
 
@@ -278,6 +236,22 @@ class ModelRunner(RunnerUtilities):
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> StepResult:
+        """One step: apply the plan, build the inputs, forward, sample, report."""
+        self._apply_plan(plan)
+        if plan.is_empty:
+            return StepResult()
+        batch = self._build_inputs(plan)
+        hidden = self._forward(batch)
+        result = StepResult()
+        if batch.pool_rows:
+            self._pool(hidden, batch.pool_rows, result)
+        self._prompt_logprobs(hidden, batch, result)
+        if batch.sample_ids:
+            self._sample(hidden, batch, plan, result)
+        return result
+
+    def _apply_plan(self, plan: SchedulePlan) -> None:
+        """Bring the per-request state up to date with the plan's diffs."""
         for slot, name in plan.lora_loads:
             self.load_lora(slot, name)
         for request_id in plan.finished_request_ids:
@@ -288,104 +262,80 @@ class ModelRunner(RunnerUtilities):
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-        if plan.is_empty:
-            return StepResult()
 
-        # Decode rows (one query token) first, so they batch as one block.
+    def _build_inputs(self, plan: SchedulePlan) -> _Inputs:
+        """The flat batch: decode rows (one query token) first, so they batch as one block."""
         order = sorted(plan.num_scheduled_tokens, key=lambda r: plan.num_scheduled_tokens[r] != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
-        prefill_rows: list[tuple[int, int, list[int]]] = []  # (query_len, context_len, blocks)
-        sample_ids: list[str] = []
-        logit_rows: list[int] = []  # flat index of each sampling row's last token
-        prompt_lp_rows: list[tuple[str, int, int, int]] = []  # (id, flat start, pos, n)
-        pool_rows: list[tuple[str, int, int]] = []  # (id, flat start, n): whole prompts
-        token_slots: list[int] = []  # each flat token's LoRA slot
+        inputs = _Inputs(StepBatch([], [], [], []))
+        attn = inputs.attention
         bs = self.block_size
-        max_len = self.compiled_prompt_max_len
         for request_id in order:
             state = self.requests[request_id]
             n = plan.num_scheduled_tokens[request_id]
             start = state.num_computed_tokens
             end = start + n
-            flat_start = len(input_ids)
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            token_slots.extend([state.lora_slot] * n)
+            flat_start = len(inputs.input_ids)
+            inputs.input_ids.extend(state.token_ids[start:end])
+            inputs.positions.extend(range(start, end))
+            inputs.token_slots.extend([state.lora_slot] * n)
             blocks = state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            attn.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
-                decode_tables.append(blocks)
-                decode_lens.append(end)
+                attn.decode_tables.append(blocks)
+                attn.decode_lens.append(end)
             else:
-                num_blocks = -(-end // bs)
-                prefill_rows.append((n, end, blocks[:num_blocks]))
-                prefills.append(
-                    PrefillSeq(
-                        flat_start,
-                        n,
-                        end,
-                        torch.tensor(blocks[:num_blocks], dtype=torch.long),
-                        compiled=max_len is None or end <= max_len,
-                    )
-                )
+                attn.prefills.append(PrefillChunk(flat_start, n, end, blocks[: -(-end // bs)]))
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens - 1:
                 last = min(end, state.num_prompt_tokens - 1)
-                prompt_lp_rows.append((request_id, flat_start, start, last - start))
+                inputs.prompt_lp_rows.append((request_id, flat_start, start, last - start))
             if state.pooling is not None:
                 assert start == 0 and end == len(state.token_ids), "pooling is never chunked"
-                pool_rows.append((request_id, flat_start, n))
+                inputs.pool_rows.append((request_id, flat_start, n))
             elif end == len(state.token_ids):
-                sample_ids.append(request_id)
-                logit_rows.append(len(input_ids) - 1)
+                inputs.sample_ids.append(request_id)
+                inputs.logit_rows.append(len(inputs.input_ids) - 1)
+        return inputs
 
+    def _forward(self, inputs: _Inputs) -> torch.Tensor:
+        """The model's hidden states: every flat token's, or the sampled rows' alone
+        (inputs.last_rows set) where nothing reads the others."""
         device = self.device
-        hidden = None
+        attn = inputs.attention
         lora = None
-        last_rows: torch.Tensor | None = None  # see below: the sampled rows alone
-        if self.lora_stacks is not None and any(token_slots):
-            if self.use_triton:
+        if self.lora_stacks is not None and any(inputs.token_slots):
+            if self.backend.name == "triton":
                 from pagoda.kernels.triton_ops.lora import lora_index
 
-                lora = LoRABatch(self.lora_stacks, [], lora_index(token_slots, device))
+                lora = LoRABatch(self.lora_stacks, [], lora_index(inputs.token_slots, device))
             else:
-                lora = LoRABatch(self.lora_stacks, lora_groups(token_slots, device))
-        if self.graphs is not None and not prefill_rows:
-            hidden = self.graphs.run(input_ids, positions, slots, decode_tables, decode_lens)
-        if hidden is None:
-            meta: AttentionMetadata | TritonAttentionMetadata
-            if self.use_triton:
-                from pagoda.engine_core.attention.triton_backend import build_metadata
-
-                meta = build_metadata(slots, decode_tables, decode_lens, prefill_rows, device)
-            else:
-                meta = self._torch_metadata(slots, decode_tables, decode_lens, prefills)
-            # Only the sampled tokens' hidden states are needed when no prompt
-            # logprobs or pooling read the others (and no LoRA indexes tokens).
-            if (
-                not self.use_triton
-                and lora is None
-                and not pool_rows
-                and not prompt_lp_rows
-                and len(logit_rows) < len(input_ids)
-            ):
-                last_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
-            hidden = self.model.forward(
-                torch.tensor(input_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device),
-                meta,
-                self.kv_caches,
-                lora,
-                last_rows,
+                lora = LoRABatch(self.lora_stacks, lora_groups(inputs.token_slots, device))
+        if self.graphs is not None and not attn.prefills:
+            hidden = self.graphs.run(
+                inputs.input_ids, inputs.positions, attn.slots, attn.decode_tables, attn.decode_lens
             )
-        result = StepResult()
-        if pool_rows:
-            self._pool(hidden, pool_rows, result)
-        for request_id, flat_start, pos, n in prompt_lp_rows:
+            if hidden is not None:
+                return hidden
+        # Only the sampled tokens' hidden states are needed when no prompt
+        # logprobs or pooling read the others (and no LoRA indexes tokens).
+        if (
+            self.backend.supports_last_rows
+            and lora is None
+            and not inputs.pool_rows
+            and not inputs.prompt_lp_rows
+            and len(inputs.logit_rows) < len(inputs.input_ids)
+        ):
+            inputs.last_rows = torch.tensor(inputs.logit_rows, dtype=torch.long, device=device)
+        return self.model.forward(
+            torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
+            torch.tensor(inputs.positions, dtype=torch.long, device=device),
+            self.backend.build_metadata(attn),
+            self.kv_caches,
+            lora,
+            inputs.last_rows,
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: _Inputs, result: StepResult) -> None:
+        for request_id, flat_start, pos, n in inputs.prompt_lp_rows:
             state = self.requests[request_id]
             logits = self.model.compute_logits(hidden[flat_start : flat_start + n]).cpu()
             next_ids = state.token_ids[pos + 1 : pos + 1 + n]
@@ -393,25 +343,30 @@ class ModelRunner(RunnerUtilities):
                 pos,
                 prompt_logprobs(logits, next_ids, state.params.prompt_logprobs or 0),
             )
-        if sample_ids:
-            # With last_rows, hidden holds the sampled rows alone, in order.
-            sampled = hidden if last_rows is not None else hidden[logit_rows]
-            logits = self.model.compute_logits(sampled).cpu()  # [num_sample, vocab]
-            states = [self.requests[r] for r in sample_ids]
-            if plan.grammar_bitmask is not None:
-                apply_grammar_bitmask(logits, sample_ids, plan.grammar_bitmask)
-            rows = [self._sampling_row(s) for s in states]
-            token_ids, logprobs = sample(logits, rows, self.history)
-            for request_id, token_id, lp in zip(sample_ids, token_ids, logprobs, strict=True):
-                state = self.requests[request_id]
-                state.token_ids.append(token_id)
-                state.output_token_ids.append(token_id)
-                if state.history_slot >= 0:
-                    self.history.append(state.history_slot, token_id)
-                result.sampled_token_ids[request_id] = token_id
-                if lp is not None:
-                    result.logprobs[request_id] = lp
-        return result
+
+    def _sample(
+        self, hidden: torch.Tensor, inputs: _Inputs, plan: SchedulePlan, result: StepResult
+    ) -> None:
+        """Logits of the rows that end their request's tokens, masked, sampled, recorded."""
+        sample_ids = inputs.sample_ids
+        # With last_rows, hidden holds the sampled rows alone, in order.
+        sampled = hidden if inputs.last_rows is not None else hidden[inputs.logit_rows]
+        logits = self.model.compute_logits(sampled).cpu()  # [num_sample, vocab]
+        states = [self.requests[r] for r in sample_ids]
+        if plan.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, sample_ids, plan.grammar_bitmask)
+        rows = [self._sampling_row(s) for s in states]
+        token_ids, logprobs = sample(logits, rows, self.history)
+        for request_id, state, token_id, lp in zip(
+            sample_ids, states, token_ids, logprobs, strict=True
+        ):
+            state.token_ids.append(token_id)
+            state.output_token_ids.append(token_id)
+            if state.history_slot >= 0:
+                self.history.append(state.history_slot, token_id)
+            result.sampled_token_ids[request_id] = token_id
+            if lp is not None:
+                result.logprobs[request_id] = lp
 
     def _pool(
         self, hidden: torch.Tensor, rows: list[tuple[str, int, int]], result: StepResult
@@ -428,44 +383,6 @@ class ModelRunner(RunnerUtilities):
         for (request_id, _, _), vector in zip(rows, finish(pooled, normalize), strict=True):
             result.pooled[request_id] = vector
 
-    def _torch_metadata(
-        self,
-        slots: list[int],
-        decode_tables: list[list[int]],
-        decode_lens: list[int],
-        prefills: list[PrefillSeq],
-    ) -> AttentionMetadata:
-        device = self.device
-        table = _padded_table(decode_tables)
-        prefill_tables = prefill_table_rows = prefill_lens = query_index = None
-        compiled = [p for p in prefills if p.compiled]
-        if compiled:
-            assert prefills[0].query_start == len(decode_tables)
-            prefill_tables = _padded_table([p.block_ids for p in compiled])
-            prefill_table_rows = torch.repeat_interleave(
-                torch.arange(len(compiled)), torch.tensor([p.query_len for p in compiled])
-            )
-            prefill_lens = torch.cat(
-                [torch.arange(p.context_len - p.query_len + 1, p.context_len + 1) for p in compiled]
-            )
-            if len(compiled) < len(prefills):
-                query_index = torch.cat(
-                    [torch.arange(p.query_start, p.query_start + p.query_len) for p in compiled]
-                ).to(device)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            num_decode_tokens=len(decode_tables),
-            decode_block_tables=table.to(device),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
-            decode_max_len=max(decode_lens, default=0),
-            prefills=prefills,
-            compiled_decode=self.compiled_decode,
-            prefill_tables=prefill_tables,
-            prefill_table_rows=prefill_table_rows,
-            prefill_lens=prefill_lens,
-            prefill_query_index=query_index,
-        )
-
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(
             params=state.params,
@@ -480,16 +397,17 @@ class ModelRunner(RunnerUtilities):
             self.history.release(state.history_slot)
 
 
-def _padded_table(rows: Sequence[list[int] | torch.Tensor]) -> torch.Tensor:
-    """Block-id rows of different lengths as one int64 table, zero-padded."""
-    width = max((len(r) for r in rows), default=0)
-    lists = [r for r in rows if isinstance(r, list)]
-    if len(lists) == len(rows):
-        # One conversion of the padded lists: a sixth of the time of filling
-        # the table row by row (64 rows: ~75 vs ~460 us a step).
-        padded = [r + [0] * (width - len(r)) for r in lists]
-        return torch.tensor(padded, dtype=torch.long).view(len(rows), width)
-    table = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, blocks in enumerate(rows):
-        table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
-    return table
+@dataclass
+class _Inputs:
+    """One step's flat batch, as _build_inputs lays it out."""
+
+    attention: StepBatch
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    token_slots: list[int] = field(default_factory=list)  # each flat token's LoRA slot
+    sample_ids: list[str] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # flat index of each sampled row
+    prompt_lp_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # (id, flat start, pos, n)
+    pool_rows: list[tuple[str, int, int]] = field(default_factory=list)  # (id, start, n)
+    last_rows: torch.Tensor | None = None  # set when only the sampled rows are computed

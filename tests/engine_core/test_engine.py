@@ -159,12 +159,13 @@ def test_cpu_kv_cache_is_stored_heads_first_for_the_compiled_kernels(
 
     runner = tiny_engine(tiny_models).executor.worker.runner
     for compiled in (True, False):
-        runner.compiled_decode = compiled and cpu_ops.load_cpu_ops() is not None
+        runner.backend.compiled_attention = compiled and cpu_ops.load_cpu_ops() is not None
         runner.allocate_kv_cache(8)
         for k, v in runner.kv_caches:
             assert k.shape == v.shape == (8, runner.block_size, *k.shape[2:])
-            assert cpu_ops.heads_first(k) == runner.compiled_decode == cpu_ops.heads_first(v)
-            assert k.is_contiguous() != runner.compiled_decode
+            heads_first = runner.backend.compiled_attention
+            assert cpu_ops.heads_first(k) == heads_first == cpu_ops.heads_first(v)
+            assert k.is_contiguous() != heads_first
 
 
 def test_prompt_step_runs_the_last_layer_on_sampled_rows_only(
@@ -210,7 +211,7 @@ def test_prompt_step_runs_the_last_layer_on_sampled_rows_only(
 def test_padded_table_pads_rows_of_lists_and_tensors_alike() -> None:
     import torch
 
-    from pagoda.engine_core.worker.model_runner import _padded_table
+    from pagoda.engine_core.attention.cpu_backend import _padded_table
 
     rows = [[3, 1, 4], [1], [], [5, 9]]
     expected = torch.tensor([[3, 1, 4], [1, 0, 0], [0, 0, 0], [5, 9, 0]])

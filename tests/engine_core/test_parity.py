@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from pagoda.engine_core.attention.cpu_backend import COMPILED_PROMPT_MAX_LEN
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.engine import EngineCore
-from pagoda.engine_core.worker.model_runner import COMPILED_PROMPT_MAX_LEN
 from pagoda.protocol.messages import AddRequest, Logprobs
 from tests.conftest import TINY_MODEL_KINDS
 from tests.engine_core.helpers import (

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import pagoda.kernels.linear
-from pagoda.engine_core.attention.cpu_backend import decode_attention, reference_attention, write_kv
+from pagoda.engine_core.attention.cpu_backend import CpuBackend, decode_attention, write_kv
 from pagoda.kernels import cpu_ops
 from pagoda.kernels.linear import (
     BLOCKS_MAX_ROWS,
@@ -20,6 +20,7 @@ from pagoda.kernels.linear import (
     padded_rows,
     reference_linear,
 )
+from pagoda.kernels.triton_ops.reference import causal_attention_ref
 
 needs_compiled = pytest.mark.skipif(
     cpu_ops.load_cpu_ops() is None, reason="no C++ compiler for the CPU kernels"
@@ -78,7 +79,7 @@ def test_paged_decode_attention_matches_reference(
     for i, n in enumerate(lens):
         k = kc[per_seq[i]].flatten(0, 1)[:n]
         v = vc[per_seq[i]].flatten(0, 1)[:n]
-        ref = reference_attention(q[i : i + 1], k, v, scale)[0]
+        ref = causal_attention_ref(q[i : i + 1], k, v, scale)[0]
         assert rel_err(out[i], ref) < tol, (i, n)
     # The batched torch path agrees as well.
     torch_path = decode_attention(q, kc, vc, tables, seq_lens, max(lens), scale)
@@ -138,7 +139,7 @@ def test_prompt_rows_match_causal_reference(dtype: torch.dtype, group: int, head
     for i, (context, n) in enumerate(chunks):
         k = kc[per_seq[i]].flatten(0, 1)[: context + n]
         v = vc[per_seq[i]].flatten(0, 1)[: context + n]
-        ref = reference_attention(q[start : start + n].float(), k.float(), v.float(), scale)
+        ref = causal_attention_ref(q[start : start + n].float(), k.float(), v.float(), scale)
         assert rel_err(out[start : start + n], ref) < tol, (context, n)
         start += n
 
@@ -343,7 +344,7 @@ def test_bf16_attention_is_float32_attention_rounded_once() -> None:
         exact = out[i] == ref.bfloat16()
         assert exact.float().mean() > 0.99, (n, exact.float().mean())
         # and within bfloat16 noise of attention computed wholly in float32
-        full = reference_attention(q[i : i + 1].float(), k[:, ::3], v[:, ::3], 0.125)[0]
+        full = causal_attention_ref(q[i : i + 1].float(), k[:, ::3], v[:, ::3], 0.125)[0]
         assert rel_err(out[i], full) < 1e-2, n
 
 
@@ -361,7 +362,7 @@ def test_a_single_row_matches_reference(dtype: torch.dtype, length: int) -> None
         return
     k = kc[per_seq[0]].flatten(0, 1)[:length]
     v = vc[per_seq[0]].flatten(0, 1)[:length]
-    ref = reference_attention(q.float(), k.float(), v.float(), 0.125)[0]
+    ref = causal_attention_ref(q.float(), k.float(), v.float(), 0.125)[0]
     assert rel_err(out[0], ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
@@ -374,7 +375,7 @@ def test_a_row_with_nothing_to_attend_to_is_zero(dtype: torch.dtype) -> None:
     assert not out[0].any()
     k = kc[per_seq[1]].flatten(0, 1)[:40]
     v = vc[per_seq[1]].flatten(0, 1)[:40]
-    ref = reference_attention(q[1:2].float(), k.float(), v.float(), 0.125)[0]
+    ref = causal_attention_ref(q[1:2].float(), k.float(), v.float(), 0.125)[0]
     assert rel_err(out[1], ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
@@ -854,7 +855,7 @@ def test_bf16_fused_ops_round_as_torch_does() -> None:
 def test_rotary_embedding_in_place_on_qkv_views(dtype: torch.dtype) -> None:
     """In place on the q and k views of one fused projection; v untouched.
     Equal to the unfused torch rope (the same products rounded the same way)."""
-    from pagoda.engine_core.models.llama import _apply_rope
+    from pagoda.engine_core.attention.backend import apply_rope as _apply_rope
 
     gen = torch.Generator().manual_seed(3)
     tokens, heads, kv_heads, head_dim = 37, 6, 2, 64
@@ -925,7 +926,8 @@ def test_refined_logits_order_near_ties_by_float32(bias: bool) -> None:
             )
         else:
             model = LlamaModel.__new__(LlamaModel)
-            model.fused = False
+            model.backend = CpuBackend(torch.device("cpu"), torch.bfloat16, 64)
+            model.backend.compiled_ops = False  # the torch path
             model.head_plain = None
             model.lm_head = Linear(weight, b)
             model.lm_head.packed = False

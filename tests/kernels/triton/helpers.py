@@ -77,3 +77,11 @@ def make_paged_cache(
             k_cache[last, n % block_size :] = float("nan")
             v_cache[last, n % block_size :] = float("nan")
     return k_cache, v_cache, tables.to(DEVICE)
+
+
+def use_triton_backend(runner: Any) -> None:
+    """Run a model runner's steps through the Triton backend (in the interpreter
+    on a machine without CUDA), keeping the caches it has."""
+    from pagoda.engine_core.attention.triton_backend import TritonBackend
+
+    runner.backend = runner.model.backend = TritonBackend(runner.device, runner.dtype)

@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagoda.engine_core.models.llama import _apply_rope, rope_inv_freq  # noqa: E402
+from pagoda.engine_core.attention.backend import apply_rope as _apply_rope  # noqa: E402
+from pagoda.engine_core.models.llama import rope_inv_freq  # noqa: E402
 from pagoda.kernels.triton_ops import reference as ref  # noqa: E402
 from pagoda.kernels.triton_ops.activation import silu_and_mul  # noqa: E402
 from pagoda.kernels.triton_ops.cache import reshape_and_cache  # noqa: E402

@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from pagoda.engine_core.config import EngineConfig  # noqa: E402
 from pagoda.engine_core.core.engine import EngineCore  # noqa: E402
-from pagoda.engine_core.models.llama import LlamaModel  # noqa: E402
 from pagoda.engine_core.worker.model_runner import ModelRunner  # noqa: E402
 from pagoda.protocol.messages import AddRequest, LoRARequest  # noqa: E402
 from tests.conftest import build_lora_adapter  # noqa: E402
@@ -31,6 +30,7 @@ from tests.engine_core.helpers import (  # noqa: E402
     run_to_completion,
 )
 from tests.engine_core.hf_reference import hf_greedy  # noqa: E402
+from tests.kernels.triton.helpers import use_triton_backend  # noqa: E402
 
 MAX_NEW_TOKENS = 5
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -68,7 +68,7 @@ def test_triton_runner_lora_matches_hf_peft(
         )
     )
     runner = cast(ModelRunner, engine.executor.worker.runner)
-    runner.use_triton = cast(LlamaModel, runner.model).use_triton = True
+    use_triton_backend(runner)
     prompts = random_prompts(9, 2, 999, 4, 20)
     requests = [
         AddRequest("base", prompts[0], greedy_params(MAX_NEW_TOKENS), 0.0),

@@ -30,6 +30,7 @@ from tests.engine_core.helpers import (  # noqa: E402
     run_to_completion,
 )
 from tests.engine_core.hf_reference import hf_greedy  # noqa: E402
+from tests.kernels.triton.helpers import use_triton_backend  # noqa: E402
 
 MAX_NEW_TOKENS = 6
 
@@ -59,7 +60,7 @@ def test_triton_runner_greedy_matches_hf(
         )
     )
     runner = engine.executor.worker.runner
-    runner.use_triton = runner.model.use_triton = True
+    use_triton_backend(runner)
     hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_models[kind]), dtype=torch.float32)
     hf_model.eval()
     vocab = hf_model.config.vocab_size
@@ -113,7 +114,7 @@ def test_decode_graph_padding_matches_hf(tiny_models: dict[str, Path]) -> None:
         )
     )
     runner = engine.executor.worker.runner
-    runner.use_triton = runner.model.use_triton = True
+    use_triton_backend(runner)
     graphs = DecodeGraphs(runner.model, runner.kv_caches, 4, 4, runner.device)
     assert graphs.sizes == [1, 2, 4]
     for n in graphs.sizes:
