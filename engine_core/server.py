@@ -29,6 +29,7 @@ from pagoda.engine_core.core.engine import EngineCore
 from pagoda.engine_core.core.engine_utilities import EngineBusyError
 from pagoda.engine_core.core.lora_manager import LoRAError
 from pagoda.protocol.addresses import split_address
+from pagoda.protocol.control import CONTROL_CALLS
 from pagoda.protocol.curve import bind_address, secure_server
 from pagoda.protocol.messages import (
     PROTOCOL_VERSION,
@@ -86,21 +87,15 @@ class EngineCoreServer:
             threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
             threading.Thread(target=self._output_loop, name="engine-output", daemon=True),
         ]
-        self._utilities: dict[str, Callable[..., Any]] = {
-            "reset_prefix_cache": engine.reset_prefix_cache,
-            "get_stats": engine.get_stats,
-            "start_profile": engine.start_profile,
-            "stop_profile": engine.stop_profile,
-            "sleep": engine.sleep,
-            "wake_up": engine.wake_up,
-            "is_sleeping": engine.is_sleeping,
-            "check_invariants": engine.check_invariants,
-            "add_lora": engine.add_lora,
-            "remove_lora": engine.remove_lora,
-            "pin_lora": engine.pin_lora,
-            "list_loras": engine.list_loras,
+        # One handler per control call of protocol/control.py: EngineCore's
+        # method of that name, or this server's own answer.
+        own: dict[str, Callable[..., Any]] = {
             "ping": lambda: "pong",
             "echo": lambda *args, **kwargs: {"args": list(args), "kwargs": kwargs},
+        }
+        self._utilities: dict[str, Callable[..., Any]] = {
+            name: own[name] if call.on_server else getattr(engine, name)
+            for name, call in CONTROL_CALLS.items()
         }
 
     # ------------------------------------------------------------ busy loop
@@ -177,15 +172,17 @@ class EngineCoreServer:
             pass
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
-        method = self._utilities.get(call.method)
-        if method is None:
+        control = CONTROL_CALLS.get(call.method)
+        if control is None:
             return UtilityResult(
                 call.call_id,
                 error=f"unknown utility method {call.method!r}",
                 error_kind="unknown_method",
             )
+        method = self._utilities[call.method]
         try:
-            return UtilityResult(call.call_id, result=method(*call.args, **call.kwargs))
+            args, kwargs = control.bind(call.args, call.kwargs)
+            return UtilityResult(call.call_id, result=method(*args, **kwargs))
         except EngineBusyError as e:
             return UtilityResult(call.call_id, error=str(e), error_kind="busy")
         except LoRAError as e:  # not_found / invalid / busy

@@ -339,16 +339,16 @@ class AsyncLLM:
 
     async def stop_profile(self) -> str:
         """Returns the trace file's path (on the engine's machine)."""
-        return str(await self.client.call_utility("stop_profile", timeout=120.0))
+        return str(await self.client.call_utility("stop_profile"))
 
     async def sleep(self, level: int = 1) -> None:
         """Free the KV cache and park (1) or drop (2) the weights; refused mid-request."""
-        await self.client.call_utility("sleep", level, timeout=300.0)
+        await self.client.call_utility("sleep", level)
         self.note_sleeping(True)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back the weights and/or KV cache ("weights", "kv_cache"; all by default)."""
-        await self.client.call_utility("wake_up", tags, timeout=300.0)
+        await self.client.call_utility("wake_up", tags)
         self.note_sleeping(bool(await self.client.call_utility("is_sleeping")))
 
     async def is_sleeping(self) -> bool:
@@ -367,9 +367,7 @@ class AsyncLLM:
     async def add_lora(self, lora_request: LoRARequest) -> dict[str, Any]:
         """Register an adapter with the engine; UtilityError (kind not_found/invalid) if bad."""
         r = lora_request
-        info = await self.client.call_utility(
-            "add_lora", r.lora_name, r.lora_path, r.lora_int_id, timeout=120.0
-        )
+        info = await self.client.call_utility("add_lora", r.lora_name, r.lora_path, r.lora_int_id)
         self.loras[r.lora_name] = LoRARequest(r.lora_name, info["lora_int_id"], info["lora_path"])
         return dict(info)
 
@@ -392,22 +390,14 @@ class AsyncLLM:
         return infos
 
     async def get_stats(self) -> dict[str, Any]:
-        if isinstance(self.client, DPClient):
-            engines = await self.client.call_utility_all("get_stats")
-            totals = {
-                key: sum(e[key] for e in engines)
-                for key in engines[0]
-                if all(
-                    isinstance(e.get(key), int) and not isinstance(e[key], bool) for e in engines
-                )
-            }
-            return {**totals, "engines": engines, "num_routed": list(self.client.num_routed)}
+        """The engine's stats; with data parallel, summed over the engines (each under
+        "engines")."""
         return dict(await self.client.call_utility("get_stats"))
 
     async def check_health(self) -> bool:
         if self.client.dead is not None:
             return False
         try:
-            return await self.client.call_utility("ping", timeout=2.0) == "pong"
+            return await self.client.call_utility("ping") == "pong"
         except (EngineDeadError, RuntimeError, TimeoutError):
             return False

@@ -4,8 +4,9 @@
 new request goes to the least loaded one: the running + waiting requests it
 reported with its last outputs, plus the requests this API server sent it
 since that report (so that a burst between two reports is spread, not
-herded). A request's abort goes to the engine that has it. Utility calls
-(sleep, reset_prefix_cache, profiling, ...) go to every engine.
+herded). A request's abort goes to the engine that has it. Control calls
+(sleep, reset_prefix_cache, profiling, ...) go to every engine, and their
+answers fold as protocol/control.py says.
 
 The engines must serve the same model; the first one's Ready describes
 them, with the KV blocks summed.
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 
 from pagoda.frontend.engine_client import AsyncMPClient, EngineDeadError
+from pagoda.protocol.control import CONTROL_CALLS
 from pagoda.protocol.messages import AddRequest, Ready, RequestDelta, SchedulerStats
 
 
@@ -137,20 +139,33 @@ class DPClient:
         self,
         method: str,
         *args: Any,
-        timeout: float = 30.0,
+        timeout: float | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        """Call on every engine; the first engine's result (see call_utility_all)."""
+        """Call on every engine; the answers folded by the call's `combine`."""
         results = await self.call_utility_all(method, *args, timeout=timeout, kwargs=kwargs)
+        call = CONTROL_CALLS.get(method)
+        if call is not None and call.combine == "sum":
+            return self._sum_stats(results)
         return results[0]
+
+    def _sum_stats(self, engines: list[dict[str, Any]]) -> dict[str, Any]:
+        """The engines' integer statistics summed; each engine's own under "engines"."""
+        totals = {
+            key: sum(e[key] for e in engines)
+            for key in engines[0]
+            if all(isinstance(e.get(key), int) and not isinstance(e[key], bool) for e in engines)
+        }
+        return {**totals, "engines": engines, "num_routed": list(self.num_routed)}
 
     async def call_utility_all(
         self,
         method: str,
         *args: Any,
-        timeout: float = 30.0,
+        timeout: float | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
+        """Call on every engine; one answer per engine, in order."""
         return list(
             await asyncio.gather(
                 *(

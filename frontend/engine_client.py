@@ -21,6 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pagoda.protocol.addresses import split_address
+from pagoda.protocol.control import CONTROL_CALLS, timeout_of
 from pagoda.protocol.curve import secure_client
 from pagoda.protocol.messages import (
     PROTOCOL_VERSION,
@@ -92,23 +93,12 @@ class InprocClient:
         return deltas
 
     def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        utilities: dict[str, Callable[..., Any]] = {
-            "reset_prefix_cache": self.engine.reset_prefix_cache,
-            "get_stats": self.engine.get_stats,
-            "start_profile": self.engine.start_profile,
-            "stop_profile": self.engine.stop_profile,
-            "sleep": self.engine.sleep,
-            "wake_up": self.engine.wake_up,
-            "is_sleeping": self.engine.is_sleeping,
-            "check_invariants": self.engine.check_invariants,
-            "add_lora": self.engine.add_lora,
-            "remove_lora": self.engine.remove_lora,
-            "pin_lora": self.engine.pin_lora,
-            "list_loras": self.engine.list_loras,
-        }
-        if method not in utilities:
+        """Run a control call of protocol/control.py on the engine; ValueError if refused."""
+        call = CONTROL_CALLS.get(method)
+        if call is None or call.on_server:
             raise ValueError(f"unknown utility method {method!r}")
-        return utilities[method](*args, **kwargs)
+        args_, kwargs_ = call.bind(args, kwargs)
+        return getattr(self.engine, method)(*args_, **kwargs_)
 
 
 class AsyncMPClient:
@@ -258,10 +248,13 @@ class AsyncMPClient:
         self,
         method: str,
         *args: Any,
-        timeout: float = 30.0,
+        timeout: float | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        """Call an engine utility; raises UtilityError, EngineDeadError or TimeoutError."""
+        """Call an engine utility (protocol/control.py; `timeout` defaults to the
+        call's own); raises UtilityError, EngineDeadError or TimeoutError."""
+        if timeout is None:
+            timeout = timeout_of(method)
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         call_id = next(self._call_ids)

@@ -29,20 +29,11 @@ from pagoda.frontend.api.errors import APIError, read_json
 from pagoda.frontend.async_llm import AsyncLLM
 from pagoda.frontend.dp_client import DPClient
 from pagoda.frontend.engine_client import EngineDeadError, UtilityError
+from pagoda.protocol.control import ADMIN_RPC_CALLS, CONTROL_CALLS
 
-# What POST /collective_rpc may call on the engine; anything else is a 400.
-ADMIN_RPC_METHODS = frozenset(
-    {
-        "get_stats",
-        "check_invariants",
-        "reset_prefix_cache",
-        "sleep",
-        "wake_up",
-        "is_sleeping",
-        "ping",
-        "echo",
-    }
-)
+# What POST /collective_rpc may call on the engine: the calls of
+# protocol/control.py marked admin_rpc; anything else is a 400.
+ADMIN_RPC_METHODS = ADMIN_RPC_CALLS
 MAX_RPC_TIMEOUT_S = 600.0
 # HTTP status of a failed engine utility call, by UtilityError.kind.
 _UTILITY_STATUS = {
@@ -138,7 +129,7 @@ def build_router(engine: AsyncLLM, enable_admin_api: bool) -> APIRouter:
                         lambda: client.call_utility(method, *args, timeout=timeout, kwargs=kwargs)
                     )
                 ]
-            if method in ("sleep", "wake_up", "is_sleeping"):
+            if CONTROL_CALLS[method].sleep_state:
                 # Keep this server's view of the engine in step without waiting for stats.
                 await utility(engine.is_sleeping)  # also records the answer
             return {"results": results}
