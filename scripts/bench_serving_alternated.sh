@@ -35,6 +35,13 @@
 #
 #   A_ARGS="--max-num-batched-tokens 512" B_ARGS="--max-num-batched-tokens 1024" \
 #       ROUNDS=3 scripts/bench_serving_alternated.sh
+#
+# A_TREE=DIR serves "a" from another checkout of Pagoda instead (with this
+# venv's packages), to compare two versions of the code, e.g. the commit
+# before a change:
+#
+#   git worktree add /tmp/base COMMIT
+#   A_TREE=/tmp/base B_ARGS= ROUNDS=2 LOADS="64:128" scripts/bench_serving_alternated.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/alternated}
@@ -50,7 +57,16 @@ if [[ -n "${B_ARGS+set}" ]]; then
   first=a second=b
   read -ra a_args <<< "${A_ARGS:-}"
   read -ra b_args <<< "$B_ARGS"
-  $PY -m pagoda.frontend.pagoda_cli serve --port "$VPORT" "${a_args[@]}" > "$OUT/a.log" 2>&1 &
+  if [[ -n "${A_TREE:-}" ]]; then
+    # Older checkouts have no pagoda/ namespace: their modules are top-level.
+    a_module=pagoda.frontend.pagoda_cli
+    [[ -d "$A_TREE/pagoda" ]] || a_module=frontend.pagoda_cli
+    py_abs="$PWD/$PY"
+    (cd "$A_TREE" && PYTHONPATH="$A_TREE" exec "$py_abs" -m "$a_module" serve --port "$VPORT" \
+      "${a_args[@]}") > "$OUT/a.log" 2>&1 &
+  else
+    $PY -m pagoda.frontend.pagoda_cli serve --port "$VPORT" "${a_args[@]}" > "$OUT/a.log" 2>&1 &
+  fi
   vpid=$!
   $PY -m pagoda.frontend.pagoda_cli serve --port "$PPORT" "${b_args[@]}" > "$OUT/b.log" 2>&1 &
   ppid=$!
