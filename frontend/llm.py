@@ -21,6 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagoda.frontend.chat_render import render_chat
 from pagoda.frontend.engine_client import InprocClient
 from pagoda.frontend.output_processor import RequestState
 from pagoda.frontend.outputs import (
@@ -86,20 +87,25 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template, then generate."""
+        """Render each conversation as the server's chat route does
+        (frontend/chat_render.py: text parts flattened, tool-call arguments
+        parsed), then generate."""
         conversations: Sequence[ChatMessages]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = messages  # type: ignore[assignment]
         prompts: list[PromptType] = [
-            self.tokenizer.apply_chat_template(
-                list(conv),
+            render_chat(
+                self.tokenizer,
+                conv,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
                 chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for conv in conversations
         ]

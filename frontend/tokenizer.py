@@ -17,6 +17,14 @@ class ChatTemplateError(ValueError):
     """The chat template could not render these messages."""
 
 
+def _template_text(chat_template: str) -> str:
+    """--chat-template's value: a file's path, or the template itself."""
+    try:
+        return Path(chat_template).read_text()
+    except (OSError, ValueError):  # not a file (a template is no valid file name)
+        return chat_template
+
+
 class Tokenizer:
     """A model's tokenizer and chat template."""
 
@@ -26,10 +34,7 @@ class Tokenizer:
         self.path = path
         self._tok = PreTrainedTokenizerFast.from_pretrained(path)
         if chat_template is not None:
-            template_file = Path(chat_template)
-            self._tok.chat_template = (
-                template_file.read_text() if template_file.is_file() else chat_template
-            )
+            self._tok.chat_template = _template_text(chat_template)
         self.backend = self._tok.backend_tokenizer
         # Some tokenizer.json files (BERT exports) pad or cut every encoding to
         # a fixed length; a prompt is exactly its own tokens.

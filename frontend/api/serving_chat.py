@@ -28,41 +28,13 @@ from pagoda.frontend.api.tool_calls import (
     ToolCallStream,
     ToolRequest,
     check_tools,
-    history_for_template,
     reply_message,
 )
 from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.chat_render import ChatMessageError, render_chat
 from pagoda.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagoda.frontend.tokenizer import ChatTemplateError
 from pagoda.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
-
-
-def messages_to_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Flatten list-of-parts content to text, as chat templates expect."""
-    messages = []
-    for i, msg in enumerate(req.messages):
-        content = msg.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(
-                        400, "only text content parts are supported", f"messages.{i}.content"
-                    )
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        entry: dict[str, Any] = {
-            "role": msg.role,
-            "content": content if content is not None else "",
-        }
-        if msg.name is not None:
-            entry["name"] = msg.name
-        if msg.tool_calls is not None:
-            entry["tool_calls"] = msg.tool_calls
-        if msg.tool_call_id is not None:
-            entry["tool_call_id"] = msg.tool_call_id
-        messages.append(entry)
-    return messages
 
 
 def chat_logprobs(
@@ -102,16 +74,20 @@ class ChatServer:
         return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
 
     def render(self, req: ChatCompletionRequest) -> str:
+        """The prompt text, rendered as `LLM.chat` renders it (frontend/chat_render.py)."""
         self.tool_request(req)
         try:
-            return self.engine.tokenizer.apply_chat_template(
-                history_for_template(messages_to_dicts(req)),
+            return render_chat(
+                self.engine.tokenizer,
+                [msg.model_dump() for msg in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tools=req.tools,
                 chat_template=req.chat_template,
-                **(req.chat_template_kwargs or {}),
+                chat_template_kwargs=req.chat_template_kwargs,
             )
+        except ChatMessageError as e:
+            raise APIError(400, str(e), e.param) from None
         except ChatTemplateError as e:
             raise APIError(400, str(e)[:500], "messages") from None
 

@@ -227,19 +227,6 @@ def tool_call_start(parser: str) -> str:
     return "<tool_call>" if parser == "hermes" else "{"
 
 
-def history_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool_calls with `arguments` as objects, as chat templates expect."""
-    for message in messages:
-        for call in message.get("tool_calls") or []:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                try:
-                    fn["arguments"] = json.loads(fn["arguments"])
-                except json.JSONDecodeError:
-                    pass  # the template gets the string as it came
-    return messages
-
-
 # ----------------------------------------------------------------------------
 # streaming
 # ----------------------------------------------------------------------------
