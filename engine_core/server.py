@@ -292,7 +292,7 @@ class EngineCoreServer:
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
-        self.engine.structured_output.shutdown()
+        self.engine.shutdown()
         for addr in split_address(self.address):
             if addr.startswith("ipc://"):
                 try:

@@ -8,35 +8,19 @@ safetensors directories; the default model is the GGUF file that the
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pagoda.engine_core.tokenizer_files import prefer_hf_kernels
 
-def _import_hf_kernels_first() -> None:
-    """pytest puts the repository root on sys.path (tests/ is a package), and
-    there the folder kernels/ (imported as pagoda.kernels) would shadow
-    Hugging Face's `kernels` package, which transformers' modeling code
-    imports. Import theirs from site-packages first, so `import kernels` finds
-    it in sys.modules. Pagoda itself never imports the bare name (see
-    tests/test_import_graph.py)."""
-    root = Path(__file__).resolve().parent.parent
-    saved = sys.path[:]
-    sys.path[:] = [p for p in saved if p and Path(p).resolve() != root]
-    try:
-        importlib.import_module("kernels")
-    except ImportError:
-        pass  # transformers older than 5.25 does without it
-    finally:
-        sys.path[:] = saved
+# pytest puts the repository root on sys.path (tests/ is a package): load
+# Hugging Face's `kernels` before its folder kernels/ can stand in for it.
+prefer_hf_kernels()
 
-
-_import_hf_kernels_first()
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated, which may happen in
 # any test module that imports the runner, so it is set before all of them:

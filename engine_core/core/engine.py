@@ -372,6 +372,11 @@ class EngineCore(EngineUtilities):
             for r in expired
         ]
 
+    def shutdown(self) -> None:
+        """Stop the grammar compile processes and the workers."""
+        self.structured_output.shutdown()
+        self.executor.shutdown()
+
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
         stats.is_sleeping = bool(self._asleep)

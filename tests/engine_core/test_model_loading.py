@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,28 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
     broken.write_bytes(b"GGUF" + b"\x01" * 100)
     with pytest.raises(ModelLoadError, match=re.escape(str(broken))):
         load(broken)
+
+
+def test_gguf_tokenizer_converts_from_a_checkout_root(tmp_path: Path) -> None:
+    """`python -c` / `python -m` in the repository root put the root on
+    sys.path, where the folder kernels/ could stand in for Hugging Face's
+    `kernels` that transformers' GGUF conversion imports: the conversion,
+    into an empty cache, must still work there."""
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "from pagoda.engine_core.model_config import resolve_model_path\n"
+        "from pagoda.engine_core.tokenizer_files import tokenizer_dir_for\n"
+        "print(tokenizer_dir_for(resolve_model_path(None)))\n"
+    )
+    env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (Path(done.stdout.strip()) / "tokenizer.json").is_file()
