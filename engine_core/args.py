@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.config import EXECUTOR_BACKENDS, EngineConfig
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -114,6 +114,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help='a PEFT adapter to serve as model NAME (repeatable; also {"name":..,"path":..})',
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks each layer is sharded over",
+    )
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="stages the layers are split into",
+    )
+    g.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=list(EXECUTOR_BACKENDS),
+        help="how the engine reaches its workers (default: uni for one rank, mp for more)",
+    )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     g.add_argument(
         "--enforce-eager",
@@ -157,6 +177,9 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         max_loras=ns.max_loras,
         max_lora_rank=ns.max_lora_rank,
         lora_modules=tuple(ns.lora_modules or ()),
+        tensor_parallel_size=ns.tensor_parallel_size,
+        pipeline_parallel_size=ns.pipeline_parallel_size,
+        distributed_executor_backend=ns.distributed_executor_backend,
     )
 
 

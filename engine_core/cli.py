@@ -54,12 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
 
     from pagoda.engine_core.core.engine import EngineCore
+    from pagoda.engine_core.executor import ExecutorError
     from pagoda.engine_core.model_config import ModelLoadError
     from pagoda.engine_core.server import EngineCoreServer
 
     try:
         engine = EngineCore(config)
-    except (ModelLoadError, ValueError) as e:
+    except (ModelLoadError, ValueError, ExecutorError) as e:
         log.error("cannot start: %s", e)
         return 2
     try:
@@ -76,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     print(f"engine-core listening on {server.address}", flush=True)
     try:
-        server.run()
+        status = server.run()
     finally:
         if ns.address is None:
             # The private runtime directory made above; gone already is fine.
             shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

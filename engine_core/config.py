@@ -50,6 +50,23 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Parallelism, vLLM's meaning: the model's layers sharded over
+    # tensor_parallel_size ranks and split into pipeline_parallel_size stages.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # uni | mp | ray | external_launcher; None: uni for one rank, mp for more.
+    distributed_executor_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor this config runs on, with the default resolved."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "gguf"):
@@ -80,6 +97,22 @@ class EngineConfig:
             raise ValueError("lora_modules need enable_lora")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout must be positive")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
+        backends = (None, *EXECUTOR_BACKENDS)
+        if self.distributed_executor_backend not in backends:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"the uni executor runs one rank; a world size of {self.world_size} "
+                "needs --distributed-executor-backend mp or ray"
+            )
+
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray", "external_launcher")
 
 
 # Per-step token budgets when none is given. A pooling model computes each

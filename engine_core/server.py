@@ -28,6 +28,7 @@ import zmq
 from pagoda.engine_core.core.engine import EngineCore
 from pagoda.engine_core.core.engine_utilities import EngineBusyError
 from pagoda.engine_core.core.lora_manager import LoRAError
+from pagoda.engine_core.executor import ExecutorError
 from pagoda.protocol.addresses import split_address
 from pagoda.protocol.control import CONTROL_CALLS
 from pagoda.protocol.curve import bind_address, secure_server
@@ -69,6 +70,7 @@ class EngineCoreServer:
         self.input_queue: queue.Queue[tuple[bytes, object]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[bytes, EngineMessage] | None] = queue.Queue()
         self.stop_event = threading.Event()
+        self._dead_reason = "engine core is shutting down"
         self.clients: set[bytes] = set()
         # When each frontend last spoke (its heartbeats arrive every 0.5 s).
         self.last_seen: dict[bytes, float] = {}
@@ -100,7 +102,9 @@ class EngineCoreServer:
 
     # ------------------------------------------------------------ busy loop
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Serve until stopped (0), or until the workers fail (1: the clients
+        are told why, and the reason is logged naming the rank)."""
         for thread in self._threads:
             thread.start()
         try:
@@ -108,10 +112,16 @@ class EngineCoreServer:
                 self._drain_inputs(block=not self.engine.has_work())
                 self._drop_silent_clients()
                 if not self.engine.has_work():
+                    self.engine.executor.check_health()
                     continue
                 self._send_deltas(self.engine.step())
+        except ExecutorError as e:
+            logger.error("engine core failed: %s", e)
+            self._dead_reason = f"engine core failed: {e}"
+            return 1
         finally:
             self._shutdown()
+        return 0
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -282,7 +292,7 @@ class EngineCoreServer:
 
     def _shutdown(self) -> None:
         for identity in self.clients:
-            self.output_queue.put((identity, EngineDead("engine core is shutting down")))
+            self.output_queue.put((identity, EngineDead(self._dead_reason)))
         self.output_queue.put(None)
         self._threads[1].join(timeout=2.0)
         self.stop_event.set()

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 from pagoda.engine_core.config import EngineConfig
-from pagoda.engine_core.executor.base import Executor
+from pagoda.engine_core.executor.base import Executor, ExecutorError
+
+__all__ = ["Executor", "ExecutorError", "create_executor", "device_type"]
 from pagoda.engine_core.model_config import ModelConfig
 
 
 def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
     """The executor for this config; its workers are loaded when this returns."""
-    from pagoda.engine_core.executor.uni import UniExecutor
+    from pagoda.engine_core.worker.parallel import check_tensor_parallel
 
-    return UniExecutor(config, model_config)
+    check_tensor_parallel(model_config, config.tensor_parallel_size)
+    if config.pipeline_parallel_size > 1:
+        raise ValueError("pipeline parallelism is not available yet: --pipeline-parallel-size 1")
+    if config.tensor_parallel_size > 1 and config.enable_lora:
+        raise ValueError("LoRA adapters with tensor parallelism are not available yet")
+    backend = config.executor_backend
+    if backend == "uni":
+        from pagoda.engine_core.executor.uni import UniExecutor
+
+        return UniExecutor(config, model_config)
+    if backend == "mp":
+        from pagoda.engine_core.executor.mp import MPExecutor
+
+        return MPExecutor(config, model_config)
+    raise ValueError(f"the {backend} executor is not available yet; use uni or mp")
 
 
 def device_type(config: EngineConfig) -> str:

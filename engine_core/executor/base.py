@@ -17,6 +17,11 @@ from typing import Any
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
 
 
+class ExecutorError(RuntimeError):
+    """A worker died, hung past its time limit or could not start: the engine
+    cannot go on (the message names the rank)."""
+
+
 class Executor(ABC):
     """Runs each step's plan on every worker; the result comes from the one that samples."""
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from pagoda.engine_core.attention import AttentionBackend, select_backend
 from pagoda.engine_core.attention.backend import rms_norm_torch
 from pagoda.engine_core.model_config import ModelConfig, ModelLoadError
+from pagoda.engine_core.worker.parallel import TensorParallel
 from pagoda.kernels.linear import BlockWeight, Int4Weight, Linear, pack_int4
 
 if TYPE_CHECKING:
@@ -89,9 +90,18 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         backend: AttentionBackend | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
-        """The model's shape and tables; its weights come from load_weights."""
+        """The model's shape and tables; its weights come from load_weights.
+
+        With tensor parallelism, `config` is this rank's (rank_config: its
+        heads, its share of the MLP) and load_weights keeps this rank's shard.
+        """
         self.config = config
+        self.tp = tp or TensorParallel()
+        # The embedding and the head split by vocabulary when it divides evenly.
+        self.vocab_parallel = self.tp.size > 1 and config.vocab_size % self.tp.size == 0
+        self.vocab_rows = config.vocab_size // self.tp.size if self.vocab_parallel else None
         self.dtype = dtype
         self.device = device
         self.backend = backend or select_backend(device, dtype, config.head_dim)
@@ -121,6 +131,10 @@ class LlamaModel:
         weights = _by_short_name(pairs)
         int4_weights = _by_short_name((int4_weights or {}).items())
         gguf_blocks = _by_short_name((gguf_blocks or {}).items())
+        if self.tp.size > 1:
+            # A shard of the dense weights; the quantized forms stay whole-model.
+            weights = {name: self._shard(name, t) for name, t in weights.items()}
+            int4_weights, gguf_blocks = {}, {}
 
         def take(name: str) -> torch.Tensor:
             tensor = weights.pop(name, None)
@@ -129,10 +143,11 @@ class LlamaModel:
             return tensor.to(device=device, dtype=dtype)
 
         self.embed_tokens = take("embed_tokens.weight")
-        if self.embed_tokens.shape != (config.vocab_size, config.hidden_size):
+        rows = self.vocab_rows or config.vocab_size
+        if self.embed_tokens.shape != (rows, config.hidden_size):
             raise ModelLoadError(
                 f"{config.path}: embed_tokens has shape {tuple(self.embed_tokens.shape)}, "
-                f"expected {(config.vocab_size, config.hidden_size)}"
+                f"expected {(rows, config.hidden_size)}"
             )
         self.norm = take("norm.weight")
         # Small batches stream every weight from memory; the few-row kernel does
@@ -272,8 +287,9 @@ class LlamaModel:
         backend = self.backend
         cfg = self.config
         eps = cfg.rms_norm_eps
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+        hidden = self._embed(input_ids)  # [num_tokens, hidden]
         x, residual = backend.first_norm(hidden, self.layers[0].input_layernorm, eps)
+        tp = self.tp
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
@@ -299,7 +315,7 @@ class LlamaModel:
                     return residual.new_empty((0, residual.shape[-1]))
                 attn, residual = attn[last_rows], residual[last_rows]
             x, residual = backend.add_rms_norm(
-                _project(layer.o_proj, attn.flatten(1), lora, i, "o_proj"),
+                tp.all_reduce(_project(layer.o_proj, attn.flatten(1), lora, i, "o_proj")),
                 residual,
                 layer.post_attention_layernorm,
                 eps,
@@ -309,7 +325,7 @@ class LlamaModel:
             act = None if lora is not None else layer.gate_up_proj.silu_and_mul(x)
             if act is None:
                 act = backend.silu_and_mul(_project(layer.gate_up_proj, x, lora, i, "gate_up_proj"))
-            mlp = _project(layer.down_proj, act, lora, i, "down_proj")
+            mlp = tp.all_reduce(_project(layer.down_proj, act, lora, i, "down_proj"))
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
             x, residual = backend.add_rms_norm(mlp, residual, next_norm, eps)
         return x
@@ -340,11 +356,41 @@ class LlamaModel:
         """
         sums = self.lm_head.float32_sums(hidden)
         if sums is not None:
-            return sums
-        logits = self.lm_head(hidden).float()
-        if hidden.dtype in _MANTISSA_BITS:
-            self._refine_leading(hidden, logits)
+            logits = sums
+        else:
+            logits = self.lm_head(hidden).float()
+            if hidden.dtype in _MANTISSA_BITS:
+                self._refine_leading(hidden, logits)
+        if self.vocab_parallel:  # each rank's share of the vocabulary, side by side
+            logits = self.tp.all_gather_last(logits)
         return logits
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; split by vocabulary, each rank looks up its
+        own ids (zeros for the others') and the all-reduce adds them up."""
+        if not self.vocab_parallel:
+            return F.embedding(input_ids, self.embed_tokens)
+        assert self.vocab_rows is not None
+        local = input_ids - self.tp.rank * self.vocab_rows
+        outside = (local < 0) | (local >= self.vocab_rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        hidden.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(hidden)
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole-model weight (names as _short_name gives them)."""
+        tp, head_dim = self.tp, self.config.head_dim
+        kind = name.split(".")[-2]
+        if kind in ("q_proj", "gate_proj", "up_proj"):
+            return tensor[tp.split(tensor.shape[0])]
+        if kind in ("k_proj", "v_proj"):
+            heads = tp.kv_heads(tensor.shape[0] // head_dim)
+            return tensor[heads.start * head_dim : heads.stop * head_dim]
+        if kind in ("o_proj", "down_proj"):
+            return tensor[:, tp.split(tensor.shape[1])]
+        if kind in ("embed_tokens", "lm_head") and self.vocab_parallel:
+            return tensor[tp.split(tensor.shape[0])]
+        return tensor  # norms: every rank holds them whole
 
     def _refine_leading(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         if self.head_plain is not None:

@@ -25,6 +25,7 @@ from pagoda.engine_core.model_config import ModelConfig, default_pooler
 from pagoda.engine_core.models import model_class
 from pagoda.engine_core.models.llama import LlamaModel
 from pagoda.engine_core.worker.lora import LoRAAdapter, LoRABatch, LoRAStacks
+from pagoda.engine_core.worker.parallel import TensorParallel
 from pagoda.engine_core.worker.pooler import finish, pool_flat
 from pagoda.engine_core.worker.runner_utilities import RunnerUtilities
 from pagoda.engine_core.worker.sampler import (
@@ -82,9 +83,13 @@ class CachedRequestState:
 class ModelRunner(RunnerUtilities):
     """Weights, KV cache and the forward pass for one device; control calls in RunnerUtilities."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel | None = None
+    ) -> None:
+        """`model_config` is this rank's (parallel.rank_config) under tensor parallelism."""
         self.config = config
         self.model_config = model_config
+        self.tp = tp or TensorParallel()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Unseeded requests are keyed from torch's global generator (--seed).
@@ -131,7 +136,7 @@ class ModelRunner(RunnerUtilities):
         ):
             blocks = load_gguf_blocks(self.model_config)
         model: LlamaModel = model_class(self.model_config.architecture)(
-            self.model_config, self.dtype, self.device, self.backend
+            self.model_config, self.dtype, self.device, self.backend, self.tp
         )
         model.load_weights(weight_pairs(self.model_config), int4, blocks)
         return model
@@ -171,7 +176,12 @@ class ModelRunner(RunnerUtilities):
                 k.zero_()
                 v.zero_()
         # The captured decode graphs know nothing of adapters: LoRA decodes eagerly.
-        if self.backend.cuda_graphs and not self.config.enforce_eager and self.lora_stacks is None:
+        if (
+            self.backend.cuda_graphs
+            and not self.config.enforce_eager
+            and self.lora_stacks is None
+            and self.tp.size == 1  # the all-reduces run eagerly
+        ):
             self._capture_graphs(int(num_blocks))
         return int(num_blocks)
 

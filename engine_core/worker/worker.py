@@ -20,6 +20,7 @@ from pagoda.engine_core.core.plan import SchedulePlan, StepResult
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.encoder_runner import EncoderRunner
 from pagoda.engine_core.worker.model_runner import ModelRunner, resolve_device
+from pagoda.engine_core.worker.parallel import TensorParallel, check_tensor_parallel, rank_config
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
@@ -42,18 +43,23 @@ class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
+        self.tp = TensorParallel(rank % config.tensor_parallel_size, config.tensor_parallel_size)
+        check_tensor_parallel(model_config, self.tp.size)
         self.runner: ModelRunner | EncoderRunner
         if model_config.is_encoder:
             self.runner = EncoderRunner(config, model_config)
         else:
-            self.runner = ModelRunner(config, model_config)
+            self.runner = ModelRunner(config, rank_config(model_config, self.tp), self.tp)
         self._profiler: torch.profiler.profile | None = None
 
     # ----------------------------------------------------------------- step
 
-    def initialize_kv_cache(self) -> int:
-        """Allocate the paged KV cache from the memory budget; returns its number of blocks."""
-        return self.runner.allocate_kv_cache()
+    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate the paged KV cache (from the memory budget, or as many blocks
+        as given); returns its number of blocks."""
+        if isinstance(self.runner, EncoderRunner):
+            return self.runner.allocate_kv_cache()
+        return self.runner.allocate_kv_cache(num_blocks)
 
     def execute_model(self, plan: SchedulePlan) -> StepResult:
         return self.runner.execute(plan)

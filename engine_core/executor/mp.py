@@ -1,0 +1,253 @@
+"""The `mp` executor: one worker process per local rank, started and watched here.
+
+The channel is ZeroMQ over ipc sockets in a private directory: one PUSH
+socket per rank carries the plan (the same msgpack bytes to every rank, once
+per step) and the control calls, one PULL socket gathers the replies. Every
+rank runs every step; all ranks sample the same tokens from the same logits
+and the same seeded generators (torch's generator is seeded with --seed on
+every rank, and seeded requests draw from Philox keyed by their seed), so
+each keeps its own request state with no broadcast of sampled tokens, and
+rank 0's result is the step's.
+
+Nothing here waits without a bound: while a reply is due, the worker
+processes are checked every 0.1 s, and a rank that exits, or does not
+answer within its time limit, ends the engine with an ExecutorError naming
+it. Tensors between ranks go over torch.distributed (gloo on the CPU, NCCL on
+CUDA), whose collectives time out as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.plan import SchedulePlan, StepResult
+from pagoda.engine_core.executor.base import Executor, ExecutorError
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.worker.proc import (
+    ERROR,
+    EXECUTE,
+    READY,
+    RPC,
+    SPEC,
+    STOP,
+    WorkerSpec,
+)
+
+logger = logging.getLogger(__name__)
+
+# A worker loads its model before it answers; a step or a control call is
+# bounded too (generously: a first CPU step may build the compiled kernels).
+START_TIMEOUT_S = float(os.environ.get("PAGODA_WORKER_START_TIMEOUT", "600"))
+CALL_TIMEOUT_S = float(os.environ.get("PAGODA_WORKER_CALL_TIMEOUT", "300"))
+_POLL_MS = 100
+
+
+class MPExecutor(Executor):
+    """Worker processes on this host, one per rank."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.world_size = config.world_size
+        self._dir = tempfile.mkdtemp(prefix="pagoda-workers-")
+        os.chmod(self._dir, 0o700)
+        channel = f"ipc://{self._dir}"
+        self._ctx = zmq.Context()
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.bind(f"{channel}/replies")
+        self._inboxes = []
+        for rank in range(self.world_size):
+            inbox = self._ctx.socket(zmq.PUSH)
+            inbox.bind(f"{channel}/rank{rank}")
+            self._inboxes.append(inbox)
+        init = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
+        if config.num_threads is None:
+            # The host's cores shared among the ranks, not each rank taking all.
+            threads = max((os.cpu_count() or 1) // self.world_size, 1)
+            config = dataclasses.replace(config, num_threads=threads)
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._closed = False
+        try:
+            for rank in range(self.world_size):
+                self._procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "pagoda.engine_core.worker.proc",
+                            "--channel",
+                            channel,
+                            "--rank",
+                            str(rank),
+                            "--parent-pid",
+                            str(os.getpid()),
+                        ],
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
+                spec = WorkerSpec(
+                    config=config,
+                    model_config=model_config,
+                    rank=rank,
+                    world_size=self.world_size,
+                    dist_init_method=init,
+                )
+                self._send_to(rank, [SPEC, msgspec.msgpack.encode(spec)], START_TIMEOUT_S)
+            self._gather(START_TIMEOUT_S, "start")
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "%d worker processes ready (pids %s)",
+            self.world_size,
+            ", ".join(str(p.pid) for p in self._procs),
+        )
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, by rank."""
+        return [proc.pid for proc in self._procs]
+
+    # ------------------------------------------------------------ the seam
+
+    def initialize_kv_cache(self) -> int:
+        blocks = self.collective_rpc("initialize_kv_cache")
+        if len(set(blocks)) != 1:
+            # Ranks with different free memory: every rank takes the smallest.
+            least = min(blocks)
+            self.collective_rpc("initialize_kv_cache", (least,))
+            return int(least)
+        return int(blocks[0])
+
+    def execute(self, plan: SchedulePlan) -> StepResult:
+        self._send(EXECUTE, msgspec.msgpack.encode(plan))
+        payloads = self._gather(CALL_TIMEOUT_S, "execute")
+        return msgspec.msgpack.decode(payloads[0], type=StepResult)
+
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        self._send(RPC, msgspec.msgpack.encode([method, list(args), kwargs or {}]))
+        payloads = self._gather(CALL_TIMEOUT_S, method)
+        kind = _return_type(method)
+        return [msgspec.msgpack.decode(p, type=kind) for p in payloads]
+
+    def check_health(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if proc.poll() is not None:
+                raise ExecutorError(_died(rank, proc))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for inbox, proc in zip(self._inboxes, self._procs):  # noqa: B905 - a start cut short
+            if proc.poll() is None:
+                try:
+                    inbox.send_multipart([STOP, b""], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(1.0)
+        for sock in [*self._inboxes, self._replies]:
+            sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ------------------------------------------------------------- channel
+
+    def _send(self, kind: bytes, payload: bytes) -> None:
+        if self._closed:
+            raise ExecutorError("the workers have been shut down")
+        for rank in range(self.world_size):
+            self._send_to(rank, [kind, payload], CALL_TIMEOUT_S)
+
+    def _send_to(self, rank: int, frames: list[bytes], timeout_s: float) -> None:
+        """Queue a message for one rank. A PUSH socket with no peer (a worker
+        not yet connected, or gone) would block: wait for room, checking on
+        the process, within the time limit."""
+        inbox, proc = self._inboxes[rank], self._procs[rank]
+        deadline = time.monotonic() + timeout_s
+        while not inbox.poll(_POLL_MS, zmq.POLLOUT):
+            if proc.poll() is not None:
+                raise ExecutorError(_died(rank, proc))
+            if time.monotonic() > deadline:
+                raise ExecutorError(f"worker rank {rank} took no message within {timeout_s:g} s")
+        inbox.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def _gather(self, timeout_s: float, what: str) -> list[bytes]:
+        """Every rank's reply payload, in rank order; ExecutorError on a death,
+        a time-out or a failed start. A rank's error in a call is raised as
+        ValueError (the caller's mistake) or RuntimeError."""
+        got: dict[int, tuple[bytes, bytes]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < self.world_size:
+            if self._replies.poll(_POLL_MS):
+                rank_b, status, payload = self._replies.recv_multipart()
+                got[int(rank_b)] = (status, payload)
+                continue
+            for rank, proc in enumerate(self._procs):
+                if rank not in got and proc.poll() is not None:
+                    raise ExecutorError(_died(rank, proc))
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                raise ExecutorError(
+                    f"worker rank {missing[0]} did not answer {what} within {timeout_s:g} s"
+                )
+        failed = [(rank, p) for rank, (status, p) in sorted(got.items()) if status == ERROR]
+        if failed:
+            rank, payload = failed[0]
+            error = msgspec.msgpack.decode(payload)
+            message = f"{error['message']}"
+            if what == "start":
+                raise ExecutorError(f"worker rank {rank} could not start: {message}")
+            exc = ValueError(message) if error["type"] in _CALLER_ERRORS else RuntimeError(message)
+            if error.get("kind"):
+                exc.kind = error["kind"]  # type: ignore[union-attr]
+            raise exc
+        assert all(status in (READY, b"ok") for status, _ in got.values())
+        return [got[rank][1] for rank in range(self.world_size)]
+
+
+# Exceptions that say the call itself was wrong (bad adapter path, bad
+# arguments); the engine reports them to the caller and goes on.
+_CALLER_ERRORS = {"ValueError", "TypeError", "LoRAError", "KeyError", "FileNotFoundError"}
+
+
+def _return_type(method: str) -> Any:
+    """What a Worker method returns, for decoding its results as typed values."""
+    from pagoda.engine_core.worker.worker import Worker
+
+    function = getattr(Worker, method, None)
+    if function is None:
+        return Any
+    hints = typing.get_type_hints(function)
+    kind = hints.get("return", Any)
+    return Any if kind is type(None) else kind
+
+
+def _died(rank: int, proc: subprocess.Popen[bytes]) -> str:
+    return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

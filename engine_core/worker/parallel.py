@@ -1,0 +1,96 @@
+"""Tensor parallelism: a rank's place in its group and the collectives it runs.
+
+vLLM's layout: q/k/v and gate|up are split by output (column-parallel: each
+rank its heads, its share of the MLP), o and down by input (row-parallel:
+each rank a partial sum, added up by an all-reduce), the embedding and the
+LM head by vocabulary. KV heads are split like the query heads, or
+replicated when there are fewer of them than ranks. Collectives go over
+torch.distributed (gloo on the CPU, NCCL on CUDA), set up by the worker
+process (worker/proc.py) with a time limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.engine_core.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's index in its tensor-parallel group and the group's size."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, in place (x itself without a group)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x side by side along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=-1)
+
+    def split(self, n: int) -> slice:
+        """This rank's even share of n rows (n divides by the group's size)."""
+        share = n // self.size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def kv_heads(self, num_kv_heads: int) -> slice:
+        """This rank's KV heads: an even share, or the one its query heads read
+        when there are fewer KV heads than ranks (replicated, as vLLM does)."""
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads)
+        head = self.rank * num_kv_heads // self.size
+        return slice(head, head + 1)
+
+
+def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
+    """ValueError unless the model can be sharded over `size` ranks."""
+    if size == 1:
+        return
+    mc = model_config
+    if mc.is_encoder:
+        raise ValueError("encoder (pooling) models run at --tensor-parallel-size 1 only")
+    if mc.num_heads % size:
+        raise ValueError(
+            f"the model's {mc.num_heads} attention heads do not divide by "
+            f"--tensor-parallel-size {size}"
+        )
+    if mc.num_kv_heads % size and size % mc.num_kv_heads:
+        raise ValueError(
+            f"the model's {mc.num_kv_heads} KV heads and --tensor-parallel-size {size}: "
+            "one must divide the other"
+        )
+    if mc.intermediate_size % size:
+        raise ValueError(
+            f"the model's MLP size {mc.intermediate_size} does not divide by "
+            f"--tensor-parallel-size {size}"
+        )
+
+
+def rank_config(model_config: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """The model config as one rank sees it: its heads and its share of the MLP."""
+    if tp.size == 1:
+        return model_config
+    mc = model_config
+    return dataclasses.replace(
+        mc,
+        num_heads=mc.num_heads // tp.size,
+        num_kv_heads=max(mc.num_kv_heads // tp.size, 1),
+        intermediate_size=mc.intermediate_size // tp.size,
+    )

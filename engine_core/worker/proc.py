@@ -1,0 +1,160 @@
+"""A worker process: one rank of the `mp` executor (executor/mp.py).
+
+Started by the engine core as `python -m pagoda.engine_core.worker.proc
+--channel ipc://DIR --rank R --parent-pid PID` (a fresh interpreter: nothing
+of the caller's script runs again), it takes its WorkerSpec as the first
+message on the channel, joins the torch.distributed group of the engine's
+ranks, builds its Worker, then serves the channel until told to stop: plans
+to execute and control calls by name, msgpack in and out over ZeroMQ. It
+dies with the engine core (Linux: PR_SET_PDEATHSIG), so a killed engine
+leaves no workers behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.plan import SchedulePlan
+from pagoda.engine_core.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# Frames of the channel. Engine -> worker: [kind, payload]; worker -> engine:
+# [rank, status, payload], the payload msgpack (an error: {"type", "message", "kind"}).
+SPEC, EXECUTE, RPC, STOP = b"spec", b"execute", b"rpc", b"stop"
+READY, OK, ERROR = b"ready", b"ok", b"error"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process needs to start (sent once, as msgpack)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    rank: int
+    world_size: int
+    dist_init_method: str | None = None  # tcp://host:port of torch.distributed, for world > 1
+    dist_timeout_s: float = 300.0
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent dies, even by kill -9."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def error_payload(e: BaseException) -> bytes:
+    return msgspec.msgpack.encode(
+        {"type": type(e).__name__, "message": str(e), "kind": getattr(e, "kind", "")}
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The process's main: an error at start is reported on the channel."""
+    parser = argparse.ArgumentParser(prog="pagoda-worker")
+    parser.add_argument("--channel", required=True, help="ipc://DIR of the engine's channel")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    ns = parser.parse_args(argv)
+    die_with_parent(ns.parent_pid)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"pagoda::worker-{ns.rank}")
+    except ImportError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core stops its workers
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(f"{ns.channel}/rank{ns.rank}")
+    replies = ctx.socket(zmq.PUSH)
+    replies.connect(f"{ns.channel}/replies")
+    rank = str(ns.rank).encode()
+    try:
+        kind, payload = inbox.recv_multipart()
+        if kind != SPEC:
+            raise ValueError(f"expected the worker spec first, got {kind!r}")
+        spec = msgspec.msgpack.decode(payload, type=WorkerSpec)
+        worker = _start(spec)
+    except BaseException as e:  # noqa: BLE001 - reported to the engine, which fails with it
+        logger.error("worker %d cannot start: %s", ns.rank, traceback.format_exc())
+        replies.send_multipart([rank, ERROR, error_payload(e)])
+        replies.close(linger=2000)
+        ctx.term()
+        return 1
+    replies.send_multipart([rank, READY, b""])
+    _serve(worker, spec.rank, inbox, replies)
+    worker.shutdown()
+    replies.close(linger=1000)
+    inbox.close(linger=0)
+    ctx.term()
+    return 0
+
+
+def _start(spec: WorkerSpec) -> Any:
+    if spec.world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() and spec.config.device != "cpu" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=spec.dist_init_method,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.dist_timeout_s),
+        )
+    from pagoda.engine_core.worker.worker import Worker
+
+    return Worker(spec.config, spec.model_config, spec.rank)
+
+
+def _serve(worker: Any, rank_id: int, inbox: zmq.Socket, replies: zmq.Socket) -> None:
+    rank = str(rank_id).encode()
+    plans = msgspec.msgpack.Decoder(SchedulePlan)
+    encode = msgspec.msgpack.encode
+    while True:
+        kind, payload = inbox.recv_multipart()
+        if kind == STOP:
+            return
+        try:
+            if kind == EXECUTE:
+                result = worker.execute_model(plans.decode(payload))
+                # Every rank computes the same tokens; rank 0 reports them.
+                replies.send_multipart([rank, OK, encode(result) if rank_id == 0 else b""])
+            elif kind == RPC:
+                method, args, kwargs = msgspec.msgpack.decode(payload)
+                if method.startswith("_") or not callable(getattr(worker, method, None)):
+                    raise ValueError(f"workers have no control call {method!r}")
+                replies.send_multipart([rank, OK, encode(getattr(worker, method)(*args, **kwargs))])
+            else:
+                raise ValueError(f"unknown message kind {kind!r}")
+        except Exception as e:  # noqa: BLE001 - reported to the engine
+            logger.exception("worker %d: %s failed", rank_id, kind.decode(errors="replace"))
+            replies.send_multipart([rank, ERROR, error_payload(e)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

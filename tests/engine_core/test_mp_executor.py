@@ -1,0 +1,200 @@
+"""The mp executor: worker processes behind the same seam as the in-process one.
+
+Every plan and control call crosses a process boundary as msgpack; the tokens
+and logprobs must be those of the uni executor, errors come back as the same
+exceptions, and a worker that dies ends the engine with an error naming its
+rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.executor import ExecutorError
+from pagoda.engine_core.executor.mp import MPExecutor
+from pagoda.engine_core.model_config import load_model_config
+from pagoda.protocol.messages import AddRequest
+from pagoda.protocol.sampling_params import SamplingParams
+from tests.engine_core.helpers import NUM_THREADS, random_prompts, run_to_completion
+from tests.engine_core.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_engine(model: Path, backend: str, **overrides: object) -> EngineCore:
+    settings: dict[str, object] = dict(
+        model=str(model),
+        dtype="float32",
+        kv_cache_memory_bytes=4 << 20,
+        max_num_batched_tokens=32,  # prompts are chunked
+        num_threads=NUM_THREADS,
+        distributed_executor_backend=backend,
+    )
+    settings.update(overrides)
+    return EngineCore(EngineConfig(**settings))  # type: ignore[arg-type]
+
+
+def requests(vocab: int) -> list[AddRequest]:
+    prompts = random_prompts(3, 4, vocab, 5, 40)
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(
+            temperature=1.0, repetition_penalty=1.2, seed=11, max_tokens=12, ignore_eos=True
+        ),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2),
+    ]
+    return [
+        AddRequest(f"r{i}", prompt, p, 0.0)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+    ]
+
+
+def test_mp_gives_the_uni_executors_tokens_and_logprobs(tiny_models: dict[str, Path]) -> None:
+    runs = {}
+    for backend in ("uni", "mp"):
+        engine = tiny_engine(tiny_models["llama"], backend)
+        try:
+            assert isinstance(engine.executor, MPExecutor) == (backend == "mp")
+            runs[backend] = run_to_completion(engine, requests(engine.info.vocab_size)).records
+        finally:
+            engine.shutdown()
+    for request_id, uni in runs["uni"].items():
+        mp = runs["mp"][request_id]
+        assert mp.token_ids == uni.token_ids, request_id
+        assert mp.logprobs == uni.logprobs, request_id
+        assert mp.prompt_logprobs == uni.prompt_logprobs, request_id
+
+
+@pytest.fixture(scope="module")
+def mp_engine(tiny_models: dict[str, Path]) -> EngineCore:
+    engine = tiny_engine(tiny_models["llama"], "mp")
+    yield engine
+    engine.shutdown()
+
+
+def test_control_calls_reach_the_worker_process(mp_engine: EngineCore) -> None:
+    executor = mp_engine.executor
+    assert isinstance(executor, MPExecutor)
+    (info,) = executor.collective_rpc("describe")
+    assert info.rank == 0 and info.dtype == "float32" and info.device == "cpu"
+    with pytest.raises(ValueError, match="no control call"):
+        executor.collective_rpc("no_such_call")
+    with pytest.raises(ValueError, match="no control call"):
+        executor.collective_rpc("_serve")
+    # Sleep mode through the executor: the worker drops and restores its state.
+    assert mp_engine.sleep(1) and mp_engine.is_sleeping()
+    assert mp_engine.wake_up() and not mp_engine.is_sleeping()
+    prompt = random_prompts(5, 1, mp_engine.info.vocab_size, 8, 8)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    run = run_to_completion(mp_engine, [AddRequest("after-wake", prompt, params, 0.0)])
+    assert len(run.records["after-wake"].token_ids) == 4
+
+
+def test_a_killed_worker_fails_the_engine_naming_its_rank(tiny_models: dict[str, Path]) -> None:
+    engine = tiny_engine(tiny_models["llama"], "mp")
+    try:
+        executor = engine.executor
+        assert isinstance(executor, MPExecutor)
+        prompt = random_prompts(6, 1, engine.info.vocab_size, 8, 8)[0]
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        assert engine.add_request(AddRequest("doomed", prompt, params, 0.0)) is None
+        engine.step()
+        pid = executor.pids[0]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"worker rank 0 \(pid \d+\) exited with code -9"):
+            while engine.has_work():
+                engine.step()
+        assert time.monotonic() - started < 5
+        with pytest.raises(ExecutorError, match="rank 0"):
+            executor.check_health()
+    finally:
+        engine.shutdown()
+
+
+def greedy_run(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    adds = [AddRequest(f"g{i}", p, params, 0.0) for i, p in enumerate(prompts)]
+    return run_to_completion(engine, adds).records
+
+
+@pytest.mark.parametrize(("kind", "tp"), [("llama", 2), ("qwen3", 2), ("llama", 4)])
+def test_tensor_parallel_gives_the_single_rank_tokens(
+    tiny_models: dict[str, Path], kind: str, tp: int
+) -> None:
+    """Heads, MLP and vocabulary split over the ranks (at 4 ranks the 2 KV heads
+    are replicated): greedy tokens as at one rank and as transformers gives
+    them, logprobs within 1e-4; prompts chunked, and preempted by a small cache."""
+    prompts = random_prompts(8, 5, 1000, 4, 40)
+    mc = load_model_config(str(tiny_models[kind]))
+    runs = {}
+    for size in (1, tp):
+        # 12 blocks of 16 on every rank (each holds its KV heads): too few for
+        # the five requests at once, so some are preempted and recomputed.
+        kv_heads = max(mc.num_kv_heads // size, 1)
+        block_bytes = 2 * mc.num_layers * 16 * kv_heads * mc.head_dim * 4
+        engine = tiny_engine(
+            tiny_models[kind],
+            "mp" if size > 1 else "uni",
+            tensor_parallel_size=size,
+            kv_cache_memory_bytes=12 * block_bytes,
+        )
+        try:
+            assert engine.info.num_kv_blocks == 12
+            runs[size] = greedy_run(engine, prompts, 16)
+            assert engine.scheduler.num_preemptions > 0
+        finally:
+            engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_models[kind]), dtype=torch.float32)
+    expected = hf_greedy(hf, prompts, 16)
+    for i, tokens in enumerate(expected):
+        one, many = runs[1][f"g{i}"], runs[tp][f"g{i}"]
+        assert many.token_ids == one.token_ids == tokens, i
+        for a, b in zip(one.logprobs, many.logprobs, strict=True):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def test_tensor_parallel_refuses_what_does_not_divide(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="4 attention heads do not divide by"):
+        tiny_engine(tiny_models["llama"], "mp", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="needs --distributed-executor-backend mp"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+def test_default_model_at_three_ranks_gives_the_single_rank_tokens() -> None:
+    """The default model's 9 query heads, 3 KV heads and 49,152-token vocabulary
+    split over 3 ranks (float32, dense weights): the greedy tokens of one rank,
+    logprobs within 1e-4."""
+    prompts = random_prompts(1, 4, 49152, 8, 60)
+    runs = {}
+    for size in (1, 3):
+        engine = EngineCore(
+            EngineConfig(
+                dtype="float32",
+                tensor_parallel_size=size,
+                kv_cache_memory_bytes=64 << 20,
+                num_threads=NUM_THREADS,
+            )
+        )
+        try:
+            runs[size] = greedy_run(engine, prompts, 16)
+        finally:
+            engine.shutdown()
+    for request_id, one in runs[1].items():
+        three = runs[3][request_id]
+        assert three.token_ids == one.token_ids, request_id
+        for a, b in zip(one.logprobs, three.logprobs, strict=True):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
