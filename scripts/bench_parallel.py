@@ -6,8 +6,9 @@
    back and decoded: the round trip the engine pays per step on top of the
    model, measured against an echoing worker.
 2. The tensor-parallel collectives at decode sizes: all-reduce of [rows,
-   hidden] (two per layer) and all-gather of the head's [rows, vocab / 2]
-   float32 logits, between 2 processes over gloo.
+   hidden] (two per layer) over gloo and through shared memory
+   (engine_core/worker/shm_allreduce.py), and all-gather of the head's
+   [rows, vocab / 2] float32 logits over gloo, between 2 processes.
 
     python scripts/bench_parallel.py                     # both, batch 64, the default model's sizes
     python scripts/bench_parallel.py --rows 1 --hidden 576
@@ -88,11 +89,15 @@ import sys, time, torch, torch.distributed as dist
 rank, port, rows, hidden, vocab, reps = (int(a) for a in sys.argv[1:7])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from pagoda.engine_core.worker.shm_allreduce import SharedMemoryAllReduce
+shm = SharedMemoryAllReduce(rank, 2, f"pagoda-bench-{port}")
 out = {}
 for name, tensor, op in [
-    ("all_reduce bf16 [rows, hidden]", torch.randn(rows, hidden).bfloat16(), "reduce"),
-    ("all_reduce f32 [rows, hidden]", torch.randn(rows, hidden), "reduce"),
-    ("all_gather f32 [rows, vocab/2]", torch.randn(rows, vocab // 2), "gather"),
+    ("gloo all_reduce bf16 [rows, hidden]", torch.randn(rows, hidden).bfloat16(), "reduce"),
+    ("gloo all_reduce f32 [rows, hidden]", torch.randn(rows, hidden), "reduce"),
+    ("shm all_reduce bf16 [rows, hidden]", torch.randn(rows, hidden).bfloat16(), "shm"),
+    ("shm all_reduce f32 [rows, hidden]", torch.randn(rows, hidden), "shm"),
+    ("gloo all_gather f32 [rows, vocab/2]", torch.randn(rows, vocab // 2), "gather"),
 ]:
     parts = [torch.empty_like(tensor) for _ in range(2)]
     times = []
@@ -101,6 +106,8 @@ for name, tensor, op in [
         t = time.perf_counter()
         if op == "reduce":
             dist.all_reduce(tensor)
+        elif op == "shm":
+            assert shm.all_reduce(tensor)
         else:
             dist.all_gather(parts, tensor)
         if i >= 10:

@@ -12,7 +12,10 @@ process (worker/proc.py) with a time limit.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,14 +24,19 @@ from pagoda.engine_core.model_config import ModelConfig
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's index in its tensor-parallel group and the group's size."""
+    """This rank's index in its tensor-parallel group and the group's size.
+
+    `shm`: the group's shared-memory all-reduce (ranks on one host's CPUs,
+    shm_allreduce.py), used for what fits it; gloo or NCCL do the rest.
+    """
 
     rank: int = 0
     size: int = 1
+    shm: Any = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in place (x itself without a group)."""
-        if self.size > 1:
+        if self.size > 1 and (self.shm is None or not self.shm.all_reduce(x)):
             import torch.distributed as dist
 
             dist.all_reduce(x)
@@ -94,3 +102,18 @@ def rank_config(model_config: ModelConfig, tp: TensorParallel) -> ModelConfig:
         num_kv_heads=max(mc.num_kv_heads // tp.size, 1),
         intermediate_size=mc.intermediate_size // tp.size,
     )
+
+
+def shared_memory_all_reduce(tp: TensorParallel, device: torch.device, tag: str) -> Any:
+    """The shared-memory all-reduce for a CPU group on one x86 host, else None
+    (PAGODA_CPU_ALLREDUCE=gloo keeps gloo for everything). Collective: every
+    rank of the group calls it with the same tag."""
+    if tp.size == 1 or device.type != "cpu":
+        return None
+    if os.environ.get("PAGODA_CPU_ALLREDUCE", "shm") == "gloo":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None  # its flags rely on x86's store order
+    from pagoda.engine_core.worker.shm_allreduce import SharedMemoryAllReduce
+
+    return SharedMemoryAllReduce(tp.rank, tp.size, f"pagoda-tp-{tag}")

@@ -20,7 +20,12 @@ from pagoda.engine_core.core.plan import SchedulePlan, StepResult
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.encoder_runner import EncoderRunner
 from pagoda.engine_core.worker.model_runner import ModelRunner, resolve_device
-from pagoda.engine_core.worker.parallel import TensorParallel, check_tensor_parallel, rank_config
+from pagoda.engine_core.worker.parallel import (
+    TensorParallel,
+    check_tensor_parallel,
+    rank_config,
+    shared_memory_all_reduce,
+)
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
@@ -30,6 +35,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     device: str  # "cpu", "cuda:0" ...
     dtype: str  # "bfloat16" ...
     pooler: str  # the default pooler (used by the embed task)
+    # How tensor-parallel partial sums are added: "shm", "gloo", "nccl", "" (one rank).
+    all_reduce: str = ""
 
 
 def device_type(config: EngineConfig) -> str:
@@ -43,8 +50,15 @@ class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
-        self.tp = TensorParallel(rank % config.tensor_parallel_size, config.tensor_parallel_size)
-        check_tensor_parallel(model_config, self.tp.size)
+        size = config.tensor_parallel_size
+        check_tensor_parallel(model_config, size)
+        self.tp = TensorParallel(rank % size, size)
+        if size > 1:
+            # Named after the engine core, the parent of all its ranks.
+            shm = shared_memory_all_reduce(
+                self.tp, resolve_device(config.device), f"{os.getppid()}"
+            )
+            self.tp = TensorParallel(self.tp.rank, size, shm)
         self.runner: ModelRunner | EncoderRunner
         if model_config.is_encoder:
             self.runner = EncoderRunner(config, model_config)
@@ -73,7 +87,17 @@ class Worker:
             device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."),
             pooler=str(runner.pooler),
+            all_reduce=self._all_reduce_kind(),
         )
+
+    def _all_reduce_kind(self) -> str:
+        if self.tp.size == 1:
+            return ""
+        if self.tp.shm is not None:
+            return "shm"
+        import torch.distributed as dist
+
+        return str(dist.get_backend())
 
     def check_health(self) -> bool:
         return True
@@ -126,6 +150,8 @@ class Worker:
 
     def shutdown(self) -> None:
         self._profiler = None
+        if self.tp.shm is not None:
+            self.tp.shm.close()
 
     def _decoder(self, what: str) -> ModelRunner:
         if isinstance(self.runner, EncoderRunner):

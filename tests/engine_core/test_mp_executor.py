@@ -130,13 +130,18 @@ def greedy_run(engine: EngineCore, prompts: list[list[int]], max_tokens: int) ->
     return run_to_completion(engine, adds).records
 
 
-@pytest.mark.parametrize(("kind", "tp"), [("llama", 2), ("qwen3", 2), ("llama", 4)])
+@pytest.mark.parametrize(
+    ("kind", "tp", "all_reduce"),
+    [("llama", 2, "shm"), ("qwen3", 2, "shm"), ("llama", 4, "shm"), ("llama", 2, "gloo")],
+)
 def test_tensor_parallel_gives_the_single_rank_tokens(
-    tiny_models: dict[str, Path], kind: str, tp: int
+    tiny_models: dict[str, Path], kind: str, tp: int, all_reduce: str, monkeypatch: Any
 ) -> None:
     """Heads, MLP and vocabulary split over the ranks (at 4 ranks the 2 KV heads
-    are replicated): greedy tokens as at one rank and as transformers gives
-    them, logprobs within 1e-4; prompts chunked, and preempted by a small cache."""
+    are replicated), the partial sums added through shared memory or gloo:
+    greedy tokens as at one rank and as transformers gives them, logprobs
+    within 1e-4; prompts chunked, and preempted by a small cache."""
+    monkeypatch.setenv("PAGODA_CPU_ALLREDUCE", all_reduce)
     prompts = random_prompts(8, 5, 1000, 4, 40)
     mc = load_model_config(str(tiny_models[kind]))
     runs = {}
@@ -153,6 +158,8 @@ def test_tensor_parallel_gives_the_single_rank_tokens(
         )
         try:
             assert engine.info.num_kv_blocks == 12
+            info = engine.executor.collective_rpc("describe")
+            assert [i.all_reduce for i in info] == ([all_reduce] * size if size > 1 else [""])
             runs[size] = greedy_run(engine, prompts, 16)
             assert engine.scheduler.num_preemptions > 0
         finally:

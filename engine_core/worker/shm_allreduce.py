@@ -1,0 +1,82 @@
+"""An all-reduce through shared memory, for tensor-parallel ranks on one host's CPUs.
+
+gloo's all-reduce costs about half a millisecond a call whatever the size
+(docs/benchmarks.md, "Several ranks on one host"), and a decode step makes
+two a layer. Here every rank copies its tensor into its slot of a shared
+buffer, publishes the call's number in its own flag, waits until every
+rank's flag has reached it, and adds the slots up in rank order, so every
+rank computes the same sum bit for bit (and samples the same tokens). Two
+buffers alternate, so a rank may write the next call's slot while a slower
+rank still reads the previous one: a rank that reached call n has finished
+reading call n - 1's data, whose buffer call n + 1 reuses.
+
+x86's stores are seen by other cores in program order, so a slot written
+before the flag is complete when the flag is seen. Waiting ranks yield the
+CPU (ranks may outnumber cores). Tensors larger than a slot go to gloo.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+_FLAG_STRIDE = 8  # int64s per rank's flag: a cache line each, no false sharing
+SLOT_BYTES = 4 << 20
+
+
+class SharedMemoryAllReduce:
+    """One group's buffers; every rank of the group builds one (collectively)."""
+
+    def __init__(self, rank: int, size: int, name: str, slot_bytes: int = SLOT_BYTES) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
+        header = size * _FLAG_STRIDE * 8
+        total = header + 2 * size * slot_bytes
+        if rank == 0:
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=total)
+            np.ndarray((header,), dtype=np.uint8, buffer=self._shm.buf)[:] = 0
+        dist.barrier()
+        if rank != 0:
+            self._shm = shared_memory.SharedMemory(name=name)
+            # Attaching registered it with this process's resource tracker,
+            # which would warn of a leak (and unlink it again) at exit; rank 0
+            # owns it and unlinks it below.
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        dist.barrier()
+        if rank == 0:
+            self._shm.unlink()  # the mappings stay; nothing is left in /dev/shm
+        self._flags = np.ndarray((size, _FLAG_STRIDE), dtype=np.int64, buffer=self._shm.buf)
+        data = torch.frombuffer(self._shm.buf, dtype=torch.uint8, offset=header)
+        self._buffers = data.view(2, size, slot_bytes)
+        self._calls = 0
+
+    def all_reduce(self, x: torch.Tensor) -> bool:
+        """Sum x over the group in place; False (nothing done) when x does not fit."""
+        nbytes = x.numel() * x.element_size()
+        if nbytes > self.slot_bytes or x.device.type != "cpu":
+            return False
+        self._calls += 1
+        call = self._calls
+        slots = self._buffers[call & 1]
+        flat = x.reshape(-1)
+        slots[self.rank, :nbytes].view(x.dtype).copy_(flat)
+        self._flags[self.rank, 0] = call
+        flags = self._flags[:, 0]
+        while int(flags.min()) < call:
+            os.sched_yield()
+        total = slots[0, :nbytes].view(x.dtype)
+        flat.copy_(total)
+        for r in range(1, self.size):
+            flat.add_(slots[r, :nbytes].view(x.dtype))
+        if not x.is_contiguous():
+            x.copy_(flat.view(x.shape))
+        return True
+
+    def close(self) -> None:
+        self._buffers = None  # type: ignore[assignment]
+        self._flags = None  # type: ignore[assignment]
+        self._shm.close()
