@@ -98,6 +98,7 @@ for name, tensor, op in [
     ("shm all_reduce bf16 [rows, hidden]", torch.randn(rows, hidden).bfloat16(), "shm"),
     ("shm all_reduce f32 [rows, hidden]", torch.randn(rows, hidden), "shm"),
     ("gloo all_gather f32 [rows, vocab/2]", torch.randn(rows, vocab // 2), "gather"),
+    ("shm all_gather f32 [rows, vocab/2]", torch.randn(rows, vocab // 2), "shm_gather"),
 ]:
     parts = [torch.empty_like(tensor) for _ in range(2)]
     times = []
@@ -108,6 +109,8 @@ for name, tensor, op in [
             dist.all_reduce(tensor)
         elif op == "shm":
             assert shm.all_reduce(tensor)
+        elif op == "shm_gather":
+            assert shm.all_gather_last(tensor) is not None
         else:
             dist.all_gather(parts, tensor)
         if i >= 10:

@@ -1,4 +1,5 @@
-"""An all-reduce through shared memory, for tensor-parallel ranks on one host's CPUs.
+"""All-reduce and all-gather through shared memory, for tensor-parallel ranks on
+one host's CPUs.
 
 gloo's all-reduce costs about half a millisecond a call whatever the size
 (docs/benchmarks.md, "Several ranks on one host"), and a decode step makes
@@ -12,7 +13,9 @@ reading call n - 1's data, whose buffer call n + 1 reuses.
 
 x86's stores are seen by other cores in program order, so a slot written
 before the flag is complete when the flag is seen. Waiting ranks yield the
-CPU (ranks may outnumber cores). Tensors larger than a slot go to gloo.
+CPU (ranks may outnumber cores). The all-gather (the head's vocabulary
+slices) shares the buffers and the flags. Tensors larger than a slot go to
+gloo.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import numpy as np
 import torch
 
 _FLAG_STRIDE = 8  # int64s per rank's flag: a cache line each, no false sharing
-SLOT_BYTES = 4 << 20
+# A batch of 64 rows of float32 logits over half of a 49,152-token vocabulary fits.
+SLOT_BYTES = 8 << 20
 
 
 class SharedMemoryAllReduce:
@@ -54,24 +58,40 @@ class SharedMemoryAllReduce:
         self._buffers = data.view(2, size, slot_bytes)
         self._calls = 0
 
-    def all_reduce(self, x: torch.Tensor) -> bool:
-        """Sum x over the group in place; False (nothing done) when x does not fit."""
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Publish x in this rank's slot and wait for every rank's: the slots,
+        [size, nbytes] bytes; None (nothing done) when x does not fit."""
         nbytes = x.numel() * x.element_size()
         if nbytes > self.slot_bytes or x.device.type != "cpu":
-            return False
+            return None
         self._calls += 1
         call = self._calls
         slots = self._buffers[call & 1]
-        flat = x.reshape(-1)
-        slots[self.rank, :nbytes].view(x.dtype).copy_(flat)
+        slots[self.rank, :nbytes].view(x.dtype).copy_(x.reshape(-1))
         self._flags[self.rank, 0] = call
         flags = self._flags[:, 0]
         while int(flags.min()) < call:
             os.sched_yield()
-        total = slots[0, :nbytes].view(x.dtype)
+        return slots[:, :nbytes]
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The ranks' x side by side along the last dimension; None when x does not fit."""
+        slots = self._exchange(x)
+        if slots is None:
+            return None
+        parts = [slots[r].view(x.dtype).view(x.shape) for r in range(self.size)]
+        return torch.cat(parts, dim=-1)
+
+    def all_reduce(self, x: torch.Tensor) -> bool:
+        """Sum x over the group in place; False (nothing done) when x does not fit."""
+        slots = self._exchange(x)
+        if slots is None:
+            return False
+        flat = x.reshape(-1)
+        total = slots[0].view(x.dtype)
         flat.copy_(total)
         for r in range(1, self.size):
-            flat.add_(slots[r, :nbytes].view(x.dtype))
+            flat.add_(slots[r].view(x.dtype))
         if not x.is_contiguous():
             x.copy_(flat.view(x.shape))
         return True
