@@ -12,6 +12,11 @@
 
     python scripts/bench_parallel.py                     # both, batch 64, the default model's sizes
     python scripts/bench_parallel.py --rows 1 --hidden 576
+
+`--make-model DIR` writes a random Llama of the default model's size whose
+heads divide by 2 (hidden 512: 8 heads of 64, 4 KV heads; 30 layers, MLP
+1536, the default model's vocabulary and tokenizer), for W1 at one and two
+ranks: `python scripts/bench_throughput.py --no-hf --model DIR -tp 2`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -139,6 +145,36 @@ def collectives(rows: int, hidden: int, vocab: int, reps: int) -> None:
         proc.wait(300)
 
 
+def make_model(directory: str) -> None:
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagoda.engine_core.model_config import default_model_path
+    from pagoda.engine_core.tokenizer_files import tokenizer_dir_for
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    tokenizer = Path(tokenizer_dir_for(default_model_path()))
+    for file in tokenizer.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, directory)
+    print(f"wrote {directory}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64, help="requests in the step")
@@ -146,7 +182,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--no-collectives", action="store_true")
+    parser.add_argument("--make-model", metavar="DIR", help="write the benchmark model and stop")
     args = parser.parse_args()
+    if args.make_model:
+        make_model(args.make_model)
+        return
     times = channel(args.rows, args.steps)
     print(
         f"mp channel, {args.rows} requests a step: median {statistics.median(times) * 1e6:.0f} us,"

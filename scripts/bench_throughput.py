@@ -31,12 +31,23 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def bench_pagoda(
-    prompts: list[list[int]], output_len: int, dtype: str, fresh: list[list[int]] | None = None
+    prompts: list[list[int]],
+    output_len: int,
+    dtype: str,
+    fresh: list[list[int]] | None = None,
+    model: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     from pagoda import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(dtype=dtype, max_num_seqs=256, max_num_batched_tokens=4096)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     # Warm up on other prompts (reversed), so that none of the measured ones
@@ -108,13 +119,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--decode-step", action="store_true", help="also the time per decode step")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--model", default=None, help="Pagoda's model (default: the default)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     args = parser.parse_args()
 
     prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
     fresh = None
     if args.decode_step:
         fresh = make_prompts(args.num_prompts, args.input_len, 49152, args.seed + 1)
-    results = [bench_pagoda(prompts, args.output_len, args.dtype, fresh)]
+    results = [
+        bench_pagoda(
+            prompts, args.output_len, args.dtype, fresh, args.model, args.tensor_parallel_size
+        )
+    ]
     if args.hf:
         results.append(bench_hf(prompts, args.output_len, args.dtype))
     print(f"W: {args.num_prompts} x ({args.input_len} -> {args.output_len}), {args.dtype}")
