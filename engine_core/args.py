@@ -134,6 +134,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=list(EXECUTOR_BACKENDS),
         help="how the engine reaches its workers (default: uni for one rank, mp for more)",
     )
+    g.add_argument("--nnodes", type=int, default=1, help="hosts the ranks are spread over")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index among them")
+    g.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="node 0's address (torch.distributed and the workers' channel)",
+    )
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=29500,
+        help="torch.distributed's port on node 0; the channel takes the ports after it",
+    )
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     g.add_argument(
         "--enforce-eager",
@@ -180,6 +193,10 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=ns.tensor_parallel_size,
         pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        master_addr=ns.master_addr,
+        master_port=ns.master_port,
     )
 
 

@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="this engine core's rank among data-parallel ones (shown in its process title)",
     )
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's workers (--node-rank > 0) for the engine core on node 0",
+    )
     ns = parser.parse_args(argv)
     # What ps and top show: the role first, then the flags it was started with.
     rank = "" if ns.data_parallel_rank is None else f"-{ns.data_parallel_rank}"
@@ -52,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config_from_args(ns)
     except ValueError as e:
         parser.error(str(e))
+
+    if ns.headless or config.node_rank > 0:
+        if config.node_rank == 0:
+            parser.error("--headless is for the nodes other than 0 (--node-rank > 0)")
+        setproctitle.setproctitle(" ".join([f"pagoda::workers-node-{config.node_rank}", *flags]))
+        from pagoda.engine_core.worker.proc import run_headless
+
+        return run_headless(config)
 
     from pagoda.engine_core.core.engine import EngineCore
     from pagoda.engine_core.executor import ExecutorError

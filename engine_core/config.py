@@ -56,10 +56,24 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # uni | mp | ray | external_launcher; None: uni for one rank, mp for more.
     distributed_executor_backend: str | None = None
+    # Several hosts (mp): the ranks are spread evenly over nnodes nodes; node 0
+    # runs the engine core and its ranks, the others only workers
+    # (`engine-core --headless`), reaching node 0 at master_addr: torch.distributed
+    # at master_port, the executor's channel at the ports after it.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this node runs."""
+        per_node = self.world_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
     def executor_backend(self) -> str:
@@ -105,6 +119,14 @@ class EngineConfig:
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("nnodes must be at least 1 and node_rank in [0, nnodes)")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"a world size of {self.world_size} does not spread evenly over {self.nnodes} nodes"
+            )
+        if self.nnodes > 1 and self.executor_backend != "mp":
+            raise ValueError("several nodes need --distributed-executor-backend mp")
         if self.executor_backend == "uni" and self.world_size > 1:
             raise ValueError(
                 f"the uni executor runs one rank; a world size of {self.world_size} "

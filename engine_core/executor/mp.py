@@ -24,7 +24,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import typing
@@ -45,6 +44,9 @@ from pagoda.engine_core.worker.proc import (
     SPEC,
     STOP,
     WorkerSpec,
+    inbox_address,
+    replies_address,
+    start_workers,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,40 +65,37 @@ class MPExecutor(Executor):
         self.world_size = config.world_size
         self._dir = tempfile.mkdtemp(prefix="pagoda-workers-")
         os.chmod(self._dir, 0o700)
-        channel = f"ipc://{self._dir}"
+        init: str | None
+        if config.nnodes > 1:
+            # Workers on other hosts reach this one: the channel over tcp, the
+            # ports after torch.distributed's.
+            channel = f"tcp://{config.master_addr}:{config.master_port + 1}"
+            init = f"tcp://{config.master_addr}:{config.master_port}"
+        else:
+            channel = f"ipc://{self._dir}"
+            init = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.bind(f"{channel}/replies")
+        self._replies.bind(replies_address(channel))
         self._inboxes = []
         for rank in range(self.world_size):
             inbox = self._ctx.socket(zmq.PUSH)
-            inbox.bind(f"{channel}/rank{rank}")
+            inbox.bind(inbox_address(channel, rank))
             self._inboxes.append(inbox)
-        init = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
         if config.num_threads is None:
-            # The host's cores shared among the ranks, not each rank taking all.
-            threads = max((os.cpu_count() or 1) // self.world_size, 1)
+            # The host's cores shared among its ranks, not each rank taking all.
+            threads = max((os.cpu_count() or 1) // len(config.local_ranks), 1)
             config = dataclasses.replace(config, num_threads=threads)
-        self._procs: list[subprocess.Popen[bytes]] = []
+        # This node's worker processes (node 0's ranks); other nodes' ranks are
+        # started there by `engine-core --headless` and known by their answers.
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._closed = False
         try:
+            for rank, proc in zip(
+                config.local_ranks, start_workers(channel, config.local_ranks), strict=True
+            ):
+                self._procs[rank] = proc
             for rank in range(self.world_size):
-                self._procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "pagoda.engine_core.worker.proc",
-                            "--channel",
-                            channel,
-                            "--rank",
-                            str(rank),
-                            "--parent-pid",
-                            str(os.getpid()),
-                        ],
-                        stdin=subprocess.DEVNULL,
-                    )
-                )
                 spec = WorkerSpec(
                     config=config,
                     model_config=model_config,
@@ -112,13 +111,13 @@ class MPExecutor(Executor):
         logger.info(
             "%d worker processes ready (pids %s)",
             self.world_size,
-            ", ".join(str(p.pid) for p in self._procs),
+            ", ".join(str(p.pid) for p in self._procs.values()),
         )
 
     @property
     def pids(self) -> list[int]:
         """The worker processes' ids, by rank."""
-        return [proc.pid for proc in self._procs]
+        return [proc.pid for proc in self._procs.values()]
 
     # ------------------------------------------------------------ the seam
 
@@ -145,7 +144,7 @@ class MPExecutor(Executor):
         return [msgspec.msgpack.decode(p, type=kind) for p in payloads]
 
     def check_health(self) -> None:
-        for rank, proc in enumerate(self._procs):
+        for rank, proc in self._procs.items():
             if proc.poll() is not None:
                 raise ExecutorError(_died(rank, proc))
 
@@ -153,14 +152,15 @@ class MPExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        for inbox, proc in zip(self._inboxes, self._procs):  # noqa: B905 - a start cut short
-            if proc.poll() is None:
+        for rank, inbox in enumerate(self._inboxes):
+            proc = self._procs.get(rank)
+            if proc is None or proc.poll() is None:
                 try:
                     inbox.send_multipart([STOP, b""], flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
         deadline = time.monotonic() + 5.0
-        for proc in self._procs:
+        for proc in self._procs.values():
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
@@ -183,10 +183,10 @@ class MPExecutor(Executor):
         """Queue a message for one rank. A PUSH socket with no peer (a worker
         not yet connected, or gone) would block: wait for room, checking on
         the process, within the time limit."""
-        inbox, proc = self._inboxes[rank], self._procs[rank]
+        inbox, proc = self._inboxes[rank], self._procs.get(rank)
         deadline = time.monotonic() + timeout_s
         while not inbox.poll(_POLL_MS, zmq.POLLOUT):
-            if proc.poll() is not None:
+            if proc is not None and proc.poll() is not None:
                 raise ExecutorError(_died(rank, proc))
             if time.monotonic() > deadline:
                 raise ExecutorError(f"worker rank {rank} took no message within {timeout_s:g} s")
@@ -203,7 +203,7 @@ class MPExecutor(Executor):
                 rank_b, status, payload = self._replies.recv_multipart()
                 got[int(rank_b)] = (status, payload)
                 continue
-            for rank, proc in enumerate(self._procs):
+            for rank, proc in self._procs.items():
                 if rank not in got and proc.poll() is not None:
                     raise ExecutorError(_died(rank, proc))
             if time.monotonic() > deadline:

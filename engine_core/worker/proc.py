@@ -16,7 +16,9 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,6 +51,22 @@ class WorkerSpec:
     dist_timeout_s: float = 300.0
 
 
+def inbox_address(channel: str, rank: int) -> str:
+    """Where a rank's messages come from: ipc://DIR/rank<r>, or for a tcp
+    channel tcp://HOST:PORT the port PORT + 2 + r (PORT + 1 takes the replies)."""
+    if channel.startswith("tcp://"):
+        host, _, port = channel[len("tcp://") :].rpartition(":")
+        return f"tcp://{host}:{int(port) + 2 + rank}"
+    return f"{channel}/rank{rank}"
+
+
+def replies_address(channel: str) -> str:
+    if channel.startswith("tcp://"):
+        host, _, port = channel[len("tcp://") :].rpartition(":")
+        return f"tcp://{host}:{int(port) + 1}"
+    return f"{channel}/replies"
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Linux: SIGKILL this process when its parent dies, even by kill -9."""
     try:
@@ -71,7 +89,9 @@ def error_payload(e: BaseException) -> bytes:
 def main(argv: list[str] | None = None) -> int:
     """The process's main: an error at start is reported on the channel."""
     parser = argparse.ArgumentParser(prog="pagoda-worker")
-    parser.add_argument("--channel", required=True, help="ipc://DIR of the engine's channel")
+    parser.add_argument(
+        "--channel", required=True, help="the engine's channel: ipc://DIR or tcp://HOST:PORT"
+    )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     ns = parser.parse_args(argv)
@@ -88,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(f"{ns.channel}/rank{ns.rank}")
+    inbox.connect(inbox_address(ns.channel, ns.rank))
     replies = ctx.socket(zmq.PUSH)
-    replies.connect(f"{ns.channel}/replies")
+    replies.connect(replies_address(ns.channel))
     rank = str(ns.rank).encode()
     try:
         kind, payload = inbox.recv_multipart()
@@ -111,6 +131,59 @@ def main(argv: list[str] | None = None) -> int:
     inbox.close(linger=0)
     ctx.term()
     return 0
+
+
+def start_workers(channel: str, ranks: range) -> list[subprocess.Popen[bytes]]:
+    """A worker process per rank, each taking its spec from the channel."""
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pagoda.engine_core.worker.proc",
+                "--channel",
+                channel,
+                "--rank",
+                str(rank),
+                "--parent-pid",
+                str(os.getpid()),
+            ],
+            stdin=subprocess.DEVNULL,
+        )
+        for rank in ranks
+    ]
+
+
+def run_headless(config: EngineConfig) -> int:
+    """`engine-core --headless`: this node's ranks only, for the engine core on
+    node 0; returns when they end (the first failure's exit code)."""
+    channel = f"tcp://{config.master_addr}:{config.master_port + 1}"
+    procs = start_workers(channel, config.local_ranks)
+    logger.info(
+        "node %d of %d: workers for ranks %s of the engine at %s",
+        config.node_rank,
+        config.nnodes,
+        list(config.local_ranks),
+        config.master_addr,
+    )
+
+    def stop(signum: int, _frame: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    status = 0
+    while any(proc.poll() is None for proc in procs):
+        for rank, proc in zip(config.local_ranks, procs, strict=True):
+            code = proc.poll()
+            if code not in (None, 0) and status == 0:
+                logger.error("worker rank %d (pid %d) exited with code %d", rank, proc.pid, code)
+                status = 1
+                stop(signal.SIGTERM, None)
+        time.sleep(0.2)
+    return status
 
 
 def _start(spec: WorkerSpec) -> Any:

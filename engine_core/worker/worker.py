@@ -53,7 +53,7 @@ class Worker:
         size = config.tensor_parallel_size
         check_tensor_parallel(model_config, size)
         self.tp = TensorParallel(rank % size, size)
-        if size > 1:
+        if size > 1 and config.nnodes == 1:
             # Named after the engine core, the parent of all its ranks.
             shm = shared_memory_all_reduce(
                 self.tp, resolve_device(config.device), f"{os.getppid()}"

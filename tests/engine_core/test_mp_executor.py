@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -205,3 +207,68 @@ def test_default_model_at_three_ranks_gives_the_single_rank_tokens() -> None:
         assert three.token_ids == one.token_ids, request_id
         for a, b in zip(one.logprobs, three.logprobs, strict=True):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free loopback ports."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def test_two_nodes_over_loopback_give_the_single_rank_tokens(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Node 1 is a separate command, `engine-core --headless`, running rank 1;
+    node 0's engine core runs rank 0 and reaches rank 1 over tcp: the tokens
+    of one rank. Shutting the engine down ends node 1's workers and command."""
+    model = tiny_models["llama"]
+    port = free_ports(6)  # torch.distributed, the channel, its replies, 2 ranks
+    node = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    log = tmp_path / "node1.log"
+    with open(log, "wb") as out:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "pagoda.engine_core.cli", "--headless", "--node-rank", "1"]
+            + ["--tensor-parallel-size", "2", "--model", str(model), *node],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    prompts = random_prompts(9, 3, 1000, 4, 30)
+    runs = {}
+    try:
+        for nnodes in (1, 2):
+            overrides: dict[str, object] = {}
+            if nnodes == 2:
+                overrides = dict(
+                    tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port
+                )
+            engine = tiny_engine(model, "mp" if nnodes == 2 else "uni", **overrides)
+            try:
+                if nnodes == 2:
+                    info = engine.executor.collective_rpc("describe")
+                    assert [i.rank for i in info] == [0, 1]
+                    assert [i.all_reduce for i in info] == ["gloo", "gloo"]
+                runs[nnodes] = greedy_run(engine, prompts, 12)
+            finally:
+                engine.shutdown()
+        assert node1.wait(timeout=30) == 0, log.read_text()[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    for request_id, one in runs[1].items():
+        assert runs[2][request_id].token_ids == one.token_ids, request_id
