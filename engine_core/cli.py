@@ -15,7 +15,7 @@ from pagoda.engine_core.args import add_engine_args, engine_config_from_args
 from pagoda.protocol.addresses import default_ipc_address, split_address
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine-core", description=__doc__)
     add_engine_args(parser)
     parser.add_argument(
@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run only this node's workers (--node-rank > 0) for the engine core on node 0",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     ns = parser.parse_args(argv)
     # What ps and top show: the role first, then the flags it was started with.
     rank = "" if ns.data_parallel_rank is None else f"-{ns.data_parallel_rank}"

@@ -67,20 +67,22 @@ class MPExecutor(Executor):
         os.chmod(self._dir, 0o700)
         init: str | None
         if config.nnodes > 1:
-            # Workers on other hosts reach this one: the channel over tcp, the
-            # ports after torch.distributed's.
+            # Workers on other hosts reach this one: the channel over tcp, on
+            # the ports after torch.distributed's, bound on every interface
+            # (master_addr may be a name, as a Kubernetes service gives it).
             channel = f"tcp://{config.master_addr}:{config.master_port + 1}"
+            bound = f"tcp://*:{config.master_port + 1}"
             init = f"tcp://{config.master_addr}:{config.master_port}"
         else:
-            channel = f"ipc://{self._dir}"
+            channel = bound = f"ipc://{self._dir}"
             init = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.bind(replies_address(channel))
+        self._replies.bind(replies_address(bound))
         self._inboxes = []
         for rank in range(self.world_size):
             inbox = self._ctx.socket(zmq.PUSH)
-            inbox.bind(inbox_address(channel, rank))
+            inbox.bind(inbox_address(bound, rank))
             self._inboxes.append(inbox)
         if config.num_threads is None:
             # The host's cores shared among its ranks, not each rank taking all.
