@@ -12,6 +12,7 @@ process (worker/proc.py) with a time limit.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import platform
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from pagoda.engine_core.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,21 @@ def shared_memory_all_reduce(tp: TensorParallel, device: torch.device, tag: str)
         return None
     if platform.machine() not in ("x86_64", "AMD64"):
         return None  # its flags rely on x86's store order
-    from pagoda.engine_core.worker.shm_allreduce import SharedMemoryAllReduce
+    import torch.distributed as dist
 
+    from pagoda.engine_core.worker.shm_allreduce import SharedMemoryAllReduce, bytes_needed
+
+    # /dev/shm may be small (a container's default is 64 MiB); touching pages
+    # past it would kill the process. Every rank must choose alike: the
+    # smallest answer wins.
+    try:
+        stat = os.statvfs("/dev/shm")
+        room = stat.f_bavail * stat.f_frsize >= 2 * bytes_needed(tp.size)
+    except OSError:
+        room = False
+    agreed = torch.tensor([int(room)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if not agreed.item():
+        logger.warning("too little room in /dev/shm for the shared-memory all-reduce: gloo")
+        return None
     return SharedMemoryAllReduce(tp.rank, tp.size, f"pagoda-tp-{tag}")

@@ -31,6 +31,11 @@ _FLAG_STRIDE = 8  # int64s per rank's flag: a cache line each, no false sharing
 SLOT_BYTES = 8 << 20
 
 
+def bytes_needed(size: int, slot_bytes: int = SLOT_BYTES) -> int:
+    """The shared buffer's size for a group of `size` ranks."""
+    return size * _FLAG_STRIDE * 8 + 2 * size * slot_bytes
+
+
 class SharedMemoryAllReduce:
     """One group's buffers; every rank of the group builds one (collectively)."""
 
@@ -39,7 +44,7 @@ class SharedMemoryAllReduce:
 
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         header = size * _FLAG_STRIDE * 8
-        total = header + 2 * size * slot_bytes
+        total = bytes_needed(size, slot_bytes)
         if rank == 0:
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=total)
             np.ndarray((header,), dtype=np.uint8, buffer=self._shm.buf)[:] = 0
