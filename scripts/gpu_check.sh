@@ -5,6 +5,7 @@
 #   3. end-to-end greedy parity with HF transformers through the CUDA runner
 #      (float32 token for token; bfloat16 against float32, as on the CPU);
 #   4. W1 offline throughput of the default model (FACTS.md);
+#   5. with 2 or more GPUs, the tensor-parallel tests through worker processes;
 # then a short table. Logs and JSON land in $OUT_DIR (default gpu_check_out/).
 #
 #   scripts/gpu_check.sh            # PY=/path/to/python to pick the interpreter
@@ -44,14 +45,25 @@ timeout 90 "$PY" scripts/bench_throughput.py --no-hf --json "$OUT_DIR/throughput
     2>&1 | tee "$OUT_DIR/throughput.txt"
 throughput=$(status "${PIPESTATUS[0]}")
 
+echo "== 5. tensor parallelism 2 through worker processes (only with 2 or more GPUs)"
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$gpus" -ge 2 ]; then
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/engine_core/test_mp_executor.py \
+        -k "llama-2-shm or qwen3-2-shm" 2>&1 | tee "$OUT_DIR/tensor_parallel.txt"
+    tensor_parallel=$(status "${PIPESTATUS[0]}")
+else
+    tensor_parallel="skipped ($gpus GPU)"
+fi
+
 echo
 echo "== summary"
-"$PY" - "$OUT_DIR" "$kernel_tests" "$kernel_bench" "$parity" "$throughput" <<'PYEOF'
+"$PY" - "$OUT_DIR" "$kernel_tests" "$kernel_bench" "$parity" "$throughput" "$tensor_parallel" <<'PYEOF'
 import json, os, sys
-out, tests, bench, parity, thr = sys.argv[1:]
+out, tests, bench, parity, thr, tp = sys.argv[1:]
 print(f"{'check':<34} result")
 print(f"{'kernel tests (full shapes)':<34} {tests}")
 print(f"{'greedy parity vs HF (fp32, bf16)':<34} {parity}")
+print(f"{'tensor parallelism 2 (mp)':<34} {tp}")
 w1 = os.path.join(out, "throughput_w1.json")
 if os.path.exists(w1):
     r = json.load(open(w1))["results"][0]

@@ -191,7 +191,12 @@ def _start(spec: WorkerSpec) -> Any:
         import torch
         import torch.distributed as dist
 
-        backend = "nccl" if torch.cuda.is_available() and spec.config.device != "cpu" else "gloo"
+        on_gpu = torch.cuda.is_available() and spec.config.device != "cpu"
+        if on_gpu:
+            # Each local rank on its own GPU ("cuda" then means that one).
+            local = spec.rank - spec.config.local_ranks.start
+            torch.cuda.set_device(local % torch.cuda.device_count())
+        backend = "nccl" if on_gpu else "gloo"
         dist.init_process_group(
             backend,
             init_method=spec.dist_init_method,
