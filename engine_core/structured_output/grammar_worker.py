@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import IO
 
 import msgspec
 
+from pagoda.engine_core.lifetime import die_with_parent
 from pagoda.protocol.sampling_params import StructuredOutputsParams
 
 _LEN = struct.Struct(">I")
@@ -129,22 +129,9 @@ def _read_exact(pipe: IO[bytes], n: int) -> bytes | None:
     return data if data is not None and len(data) == n else None
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL this child when the engine dies, even by kill -9."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-
 def main(argv: list[str]) -> int:
     parent_pid, tokenizer_path, vocab_size, stop_ids = argv
-    _die_with_parent(int(parent_pid))
+    die_with_parent(int(parent_pid))
     # Frames go out on a private copy of stdout; anything a library prints goes to stderr.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

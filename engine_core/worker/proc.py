@@ -29,6 +29,7 @@ import zmq
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan
+from pagoda.engine_core.lifetime import die_with_parent
 from pagoda.engine_core.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -65,19 +66,6 @@ def replies_address(channel: str) -> str:
         host, _, port = channel[len("tcp://") :].rpartition(":")
         return f"tcp://{host}:{int(port) + 1}"
     return f"{channel}/replies"
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL this process when its parent dies, even by kill -9."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
 
 
 def error_payload(e: BaseException) -> bytes:
