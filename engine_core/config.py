@@ -70,6 +70,13 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def result_rank(self) -> int:
+        """The rank whose step result is the engine's: the first rank of the
+        last pipeline stage (its tensor-parallel ranks all sample the same
+        tokens; earlier stages compute no logits)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    @property
     def local_ranks(self) -> range:
         """The ranks this node runs."""
         per_node = self.world_size // self.nnodes

@@ -34,7 +34,7 @@ import zmq
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
-from pagoda.engine_core.executor.base import Executor, ExecutorError
+from pagoda.engine_core.executor.base import Executor, ExecutorError, result_rank
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.proc import (
     ERROR,
@@ -63,6 +63,8 @@ class MPExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.world_size = config.world_size
+        self._result_rank = config.result_rank
+        self._result_rank = result_rank(config)
         self._dir = tempfile.mkdtemp(prefix="pagoda-workers-")
         os.chmod(self._dir, 0o700)
         init: str | None
@@ -135,7 +137,7 @@ class MPExecutor(Executor):
     def execute(self, plan: SchedulePlan) -> StepResult:
         self._send(EXECUTE, msgspec.msgpack.encode(plan))
         payloads = self._gather(CALL_TIMEOUT_S, "execute")
-        return msgspec.msgpack.decode(payloads[0], type=StepResult)
+        return msgspec.msgpack.decode(payloads[self._result_rank], type=StepResult)
 
     def collective_rpc(
         self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.term()
         return 1
     replies.send_multipart([rank, READY, b""])
-    _serve(worker, spec.rank, inbox, replies)
+    _serve(worker, spec.rank, spec.rank == spec.config.result_rank, inbox, replies)
     worker.shutdown()
     replies.close(linger=1000)
     inbox.close(linger=0)
@@ -197,7 +197,10 @@ def _start(spec: WorkerSpec) -> Any:
     return Worker(spec.config, spec.model_config, spec.rank)
 
 
-def _serve(worker: Any, rank_id: int, inbox: zmq.Socket, replies: zmq.Socket) -> None:
+def _serve(
+    worker: Any, rank_id: int, reports: bool, inbox: zmq.Socket, replies: zmq.Socket
+) -> None:
+    """Serve the channel; `reports`: this rank's step results are the engine's."""
     rank = str(rank_id).encode()
     plans = msgspec.msgpack.Decoder(SchedulePlan)
     encode = msgspec.msgpack.encode
@@ -208,8 +211,8 @@ def _serve(worker: Any, rank_id: int, inbox: zmq.Socket, replies: zmq.Socket) ->
         try:
             if kind == EXECUTE:
                 result = worker.execute_model(plans.decode(payload))
-                # Every rank computes the same tokens; rank 0 reports them.
-                replies.send_multipart([rank, OK, encode(result) if rank_id == 0 else b""])
+                # The last stage's ranks all sample the same tokens; one reports them.
+                replies.send_multipart([rank, OK, encode(result) if reports else b""])
             elif kind == RPC:
                 method, args, kwargs = msgspec.msgpack.decode(payload)
                 if method.startswith("_") or not callable(getattr(worker, method, None)):
