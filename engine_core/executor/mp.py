@@ -34,7 +34,7 @@ import zmq
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
-from pagoda.engine_core.executor.base import Executor, ExecutorError, result_rank
+from pagoda.engine_core.executor.base import Executor, ExecutorError
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.proc import (
     ERROR,
@@ -64,7 +64,6 @@ class MPExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.world_size = config.world_size
         self._result_rank = config.result_rank
-        self._result_rank = result_rank(config)
         self._dir = tempfile.mkdtemp(prefix="pagoda-workers-")
         os.chmod(self._dir, 0o700)
         init: str | None
@@ -106,6 +105,8 @@ class MPExecutor(Executor):
                     rank=rank,
                     world_size=self.world_size,
                     dist_init_method=init,
+                    # One host: shared memory named after this engine core.
+                    shm_tag=str(os.getpid()) if config.nnodes == 1 else None,
                 )
                 self._send_to(rank, [SPEC, msgspec.msgpack.encode(spec)], START_TIMEOUT_S)
             self._gather(START_TIMEOUT_S, "start")

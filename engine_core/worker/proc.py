@@ -50,6 +50,9 @@ class WorkerSpec:
     world_size: int
     dist_init_method: str | None = None  # tcp://host:port of torch.distributed, for world > 1
     dist_timeout_s: float = 300.0
+    # Names the shared-memory segments of a group whose ranks share one host
+    # (unique per engine); None: collectives over torch.distributed alone.
+    shm_tag: str | None = None
 
 
 def inbox_address(channel: str, rank: int) -> str:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind != SPEC:
             raise ValueError(f"expected the worker spec first, got {kind!r}")
         spec = msgspec.msgpack.decode(payload, type=WorkerSpec)
-        worker = _start(spec)
+        worker = start_worker(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which fails with it
         logger.error("worker %d cannot start: %s", ns.rank, traceback.format_exc())
         replies.send_multipart([rank, ERROR, error_payload(e)])
@@ -174,7 +177,8 @@ def run_headless(config: EngineConfig) -> int:
     return status
 
 
-def _start(spec: WorkerSpec) -> Any:
+def start_worker(spec: WorkerSpec) -> Any:
+    """Join the ranks' torch.distributed group (world > 1) and build this rank's Worker."""
     if spec.world_size > 1:
         import torch
         import torch.distributed as dist
@@ -194,7 +198,7 @@ def _start(spec: WorkerSpec) -> Any:
         )
     from pagoda.engine_core.worker.worker import Worker
 
-    return Worker(spec.config, spec.model_config, spec.rank)
+    return Worker(spec.config, spec.model_config, spec.rank, spec.shm_tag)
 
 
 def _serve(

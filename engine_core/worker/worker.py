@@ -47,17 +47,22 @@ def device_type(config: EngineConfig) -> str:
 class Worker:
     """One rank: builds its runner (a decoder's ModelRunner or an encoder's EncoderRunner)."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        rank: int = 0,
+        shm_tag: str | None = None,
+    ) -> None:
+        """`shm_tag`: where all ranks share one host, a name unique to the engine
+        for the shared-memory all-reduce (None: torch.distributed alone)."""
         self.config = config
         self.rank = rank
         size = config.tensor_parallel_size
         check_tensor_parallel(model_config, size)
         self.tp = TensorParallel(rank % size, size)
-        if size > 1 and config.nnodes == 1:
-            # Named after the engine core, the parent of all its ranks.
-            shm = shared_memory_all_reduce(
-                self.tp, resolve_device(config.device), f"{os.getppid()}"
-            )
+        if size > 1 and shm_tag is not None:
+            shm = shared_memory_all_reduce(self.tp, resolve_device(config.device), shm_tag)
             self.tp = TensorParallel(self.tp.rank, size, shm)
         self.runner: ModelRunner | EncoderRunner
         if model_config.is_encoder:
