@@ -91,6 +91,7 @@ class EngineCore(EngineUtilities):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
             lora_slots=self.lora.slots if self.lora is not None else None,
+            sends_token_ids=config.pipeline_parallel_size > 1,
         )
         name = config.served_model_name or (
             DEFAULT_MODEL_NAME if config.model is None else config.model

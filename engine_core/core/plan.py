@@ -39,6 +39,9 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Under pipeline parallelism, the tokens sampled since the worker last saw
+    # the request (no rank keeps what it samples: one stage samples for all).
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class GrammarBitmask(msgspec.Struct, kw_only=True):

@@ -36,7 +36,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         lora_slots: LoRASlots | None = None,
+        sends_token_ids: bool = False,
     ) -> None:
+        """`sends_token_ids`: the workers keep no sampled tokens (pipeline
+        parallelism); each plan brings them a request's tokens since the last."""
         self.block_manager = block_manager
         # With LoRA: a request runs only while its adapter holds a slot, so a
         # step never names more adapters than there are slots.
@@ -49,6 +52,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Requests the runner holds state for; told when they leave.
         self._runner_known: set[str] = set()
+        # With sends_token_ids: how many of each request's tokens the runner has.
+        self._runner_tokens: dict[str, int] | None = {} if sends_token_ids else None
         self._finished_since_last_plan: list[str] = []
         self.num_preemptions = 0
 
@@ -109,11 +114,17 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             block_ids = self.block_manager.get_block_ids(request.request_id)
+            new_token_ids: list[int] = []
+            if self._runner_tokens is not None:
+                known = self._runner_tokens[request.request_id]
+                new_token_ids = request.all_token_ids[known:]
+                self._runner_tokens[request.request_id] = request.num_tokens
             cached_reqs.append(
                 CachedRequestData(
                     request_id=request.request_id,
                     new_block_ids=block_ids[num_old_blocks:],
                     num_computed_tokens=request.num_computed_tokens,
+                    new_token_ids=new_token_ids,
                 )
             )
             i += 1
@@ -162,6 +173,8 @@ class Scheduler:
                 )
             )
             self._runner_known.add(request.request_id)
+            if self._runner_tokens is not None:
+                self._runner_tokens[request.request_id] = request.num_tokens
 
         finished = self._finished_since_last_plan
         self._finished_since_last_plan = []
@@ -284,6 +297,8 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def _forget_in_runner(self, request_id: str) -> None:
+        if self._runner_tokens is not None:
+            self._runner_tokens.pop(request_id, None)
         if request_id in self._runner_known:
             self._runner_known.discard(request_id)
             self._finished_since_last_plan.append(request_id)

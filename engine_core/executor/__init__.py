@@ -11,11 +11,10 @@ from pagoda.engine_core.model_config import ModelConfig
 
 def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
     """The executor for this config; its workers are loaded when this returns."""
-    from pagoda.engine_core.worker.parallel import check_tensor_parallel
+    from pagoda.engine_core.worker.parallel import check_pipeline_parallel, check_tensor_parallel
 
     check_tensor_parallel(model_config, config.tensor_parallel_size)
-    if config.pipeline_parallel_size > 1:
-        raise ValueError("pipeline parallelism is not available yet: --pipeline-parallel-size 1")
+    check_pipeline_parallel(model_config, config.pipeline_parallel_size)
     if config.tensor_parallel_size > 1 and config.enable_lora:
         raise ValueError("LoRA adapters with tensor parallelism are not available yet")
     backend = config.executor_backend

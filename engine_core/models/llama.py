@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from pagoda.engine_core.attention import AttentionBackend, select_backend
 from pagoda.engine_core.attention.backend import rms_norm_torch
 from pagoda.engine_core.model_config import ModelConfig, ModelLoadError
-from pagoda.engine_core.worker.parallel import TensorParallel
+from pagoda.engine_core.worker.parallel import PipelineStage, TensorParallel
 from pagoda.kernels.linear import BlockWeight, Int4Weight, Linear, pack_int4
 
 if TYPE_CHECKING:
@@ -91,14 +91,19 @@ class LlamaModel:
         device: torch.device,
         backend: AttentionBackend | None = None,
         tp: TensorParallel | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         """The model's shape and tables; its weights come from load_weights.
 
         With tensor parallelism, `config` is this rank's (rank_config: its
         heads, its share of the MLP) and load_weights keeps this rank's shard.
+        With pipeline parallelism, `stage` names the layers this rank holds;
+        the embedding lives on the first stage, the final norm and the LM
+        head on the last.
         """
         self.config = config
         self.tp = tp or TensorParallel()
+        self.stage = stage or PipelineStage(layers=range(config.num_layers))
         # The embedding and the head split by vocabulary when it divides evenly.
         self.vocab_parallel = self.tp.size > 1 and config.vocab_size % self.tp.size == 0
         self.vocab_rows = config.vocab_size // self.tp.size if self.vocab_parallel else None
@@ -128,9 +133,10 @@ class LlamaModel:
         """
         config, dtype, device = self.config, self.dtype, self.device
         packs_linears = self.backend.packs_linears
-        weights = _by_short_name(pairs)
-        int4_weights = _by_short_name((int4_weights or {}).items())
-        gguf_blocks = _by_short_name((gguf_blocks or {}).items())
+        layers = self.stage.layers
+        weights = _by_short_name(pairs, layers)
+        int4_weights = _by_short_name((int4_weights or {}).items(), layers)
+        gguf_blocks = _by_short_name((gguf_blocks or {}).items(), layers)
         if self.tp.size > 1:
             # A shard of the dense weights; the quantized forms stay whole-model.
             weights = {name: self._shard(name, t) for name, t in weights.items()}
@@ -142,14 +148,19 @@ class LlamaModel:
                 raise ModelLoadError(f"{config.path}: weight {name} is missing")
             return tensor.to(device=device, dtype=dtype)
 
-        self.embed_tokens = take("embed_tokens.weight")
-        rows = self.vocab_rows or config.vocab_size
-        if self.embed_tokens.shape != (rows, config.hidden_size):
-            raise ModelLoadError(
-                f"{config.path}: embed_tokens has shape {tuple(self.embed_tokens.shape)}, "
-                f"expected {(rows, config.hidden_size)}"
-            )
-        self.norm = take("norm.weight")
+        stage = self.stage
+        # The embedding where it is looked up, or where the LM head reuses it.
+        tied_head = stage.is_last and "lm_head.weight" not in weights
+        if stage.is_first or tied_head:
+            self.embed_tokens = take("embed_tokens.weight")
+            rows = self.vocab_rows or config.vocab_size
+            if self.embed_tokens.shape != (rows, config.hidden_size):
+                raise ModelLoadError(
+                    f"{config.path}: embed_tokens has shape {tuple(self.embed_tokens.shape)}, "
+                    f"expected {(rows, config.hidden_size)}"
+                )
+        if stage.is_last:
+            self.norm = take("norm.weight")
         # Small batches stream every weight from memory; the few-row kernel does
         # that faster than oneDNN from a second, plain copy of the weights
         # (kernels/linear.py), kept while the layers' linears are a small share of
@@ -189,7 +200,9 @@ class LlamaModel:
         # The head's weights in the plain layout, for compute_logits' float32
         # recomputation, when the Linear keeps them packed (and untied).
         self.head_plain: torch.Tensor | None = None
-        if "lm_head.weight" in weights:
+        if not stage.is_last:
+            pass  # the last stage's
+        elif "lm_head.weight" in weights:
             head = take("lm_head.weight")
             self.lm_head = Linear(head, small_rows=True, blocks=take_blocks("lm_head.weight"))
             if self.lm_head.packed:
@@ -211,8 +224,7 @@ class LlamaModel:
             return pack_int4(q, scale, zero, dtype)
 
         self.layers = [
-            self._load_layer(i, take, take_int4, take_blocks, small_rows)
-            for i in range(config.num_layers)
+            self._load_layer(i, take, take_int4, take_blocks, small_rows) for i in stage.layers
         ]
 
     def _load_layer(
@@ -273,8 +285,15 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora: LoRABatch | None = None,
         last_rows: torch.Tensor | None = None,
+        carry: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm → [num_tokens, hidden].
+
+        A pipeline stage other than the last returns instead what the next
+        stage continues from, [2, num_tokens, hidden]: its last layer's MLP
+        output and the residual stream before they are added (as the next
+        layer would take them in one stage); a stage other than the first
+        takes that as `carry` in place of the embedded tokens.
 
         With `lora`, each projection adds the LoRA delta of its token's adapter.
         With `last_rows` (flat token indices; backends that support it), only
@@ -287,11 +306,18 @@ class LlamaModel:
         backend = self.backend
         cfg = self.config
         eps = cfg.rms_norm_eps
-        hidden = self._embed(input_ids)  # [num_tokens, hidden]
-        x, residual = backend.first_norm(hidden, self.layers[0].input_layernorm, eps)
+        if carry is None:
+            hidden = self._embed(input_ids)  # [num_tokens, hidden]
+            x, residual = backend.first_norm(hidden, self.layers[0].input_layernorm, eps)
+        else:
+            x, residual = backend.add_rms_norm(
+                carry[0], carry[1], self.layers[0].input_layernorm, eps
+            )
         tp = self.tp
         last = len(self.layers) - 1
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        first_layer = self.stage.layers.start  # LoRA stacks count the model's layers
+        for n, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            i = first_layer + n
             qkv = _project(layer.qkv_proj, x, lora, i, "qkv_proj")  # [num_tokens, q + 2kv]
             attn = None
             if layer.q_norm is None:
@@ -310,7 +336,7 @@ class LlamaModel:
                 q, k, v = self._split_qkv(layer, qkv)
                 q, k = backend.rotary(q, k, positions, self.rope_cos, self.rope_sin)
                 attn = backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            if i == last and last_rows is not None:
+            if n == last and last_rows is not None:
                 if last_rows.numel() == 0:  # a prompt chunk that samples nothing
                     return residual.new_empty((0, residual.shape[-1]))
                 attn, residual = attn[last_rows], residual[last_rows]
@@ -326,7 +352,9 @@ class LlamaModel:
             if act is None:
                 act = backend.silu_and_mul(_project(layer.gate_up_proj, x, lora, i, "gate_up_proj"))
             mlp = tp.all_reduce(_project(layer.down_proj, act, lora, i, "down_proj"))
-            next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
+            if n == last and not self.stage.is_last:
+                return torch.stack([mlp, residual])
+            next_norm = self.norm if n == last else self.layers[n + 1].input_layernorm
             x, residual = backend.add_rms_norm(mlp, residual, next_norm, eps)
         return x
 
@@ -452,10 +480,14 @@ def _short_name(name: str) -> str | None:
     return f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)}"
 
 
-def _by_short_name(pairs: Iterable[tuple[str, _T]]) -> dict[str, _T]:
+def _by_short_name(pairs: Iterable[tuple[str, _T]], layers: range) -> dict[str, _T]:
+    """The pairs under this module's names, of the given layers (and the rest)."""
     out: dict[str, _T] = {}
     for name, value in pairs:
         short = _short_name(name)
-        if short is not None:
-            out[short] = value
+        if short is None:
+            continue
+        if short.startswith("layers.") and int(short.split(".")[1]) not in layers:
+            continue  # another pipeline stage's
+        out[short] = value
     return out

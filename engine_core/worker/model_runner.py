@@ -25,7 +25,7 @@ from pagoda.engine_core.model_config import ModelConfig, default_pooler
 from pagoda.engine_core.models import model_class
 from pagoda.engine_core.models.llama import LlamaModel
 from pagoda.engine_core.worker.lora import LoRAAdapter, LoRABatch, LoRAStacks
-from pagoda.engine_core.worker.parallel import TensorParallel
+from pagoda.engine_core.worker.parallel import PipelineStage, TensorParallel
 from pagoda.engine_core.worker.pooler import finish, pool_flat
 from pagoda.engine_core.worker.runner_utilities import RunnerUtilities
 from pagoda.engine_core.worker.sampler import (
@@ -84,12 +84,24 @@ class ModelRunner(RunnerUtilities):
     """Weights, KV cache and the forward pass for one device; control calls in RunnerUtilities."""
 
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel | None = None
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tp: TensorParallel | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
-        """`model_config` is this rank's (parallel.rank_config) under tensor parallelism."""
+        """`model_config` is this rank's (parallel.rank_config) under tensor
+        parallelism; `stage` its pipeline stage (default: the whole model).
+
+        A stage other than the last computes no logits: its step ends by
+        sending its hidden states on. Under pipeline parallelism no rank
+        appends the tokens it samples: every rank takes each request's new
+        tokens from the next plan (CachedRequestData.new_token_ids).
+        """
         self.config = config
         self.model_config = model_config
         self.tp = tp or TensorParallel()
+        self.stage = stage or PipelineStage(layers=range(model_config.num_layers))
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Unseeded requests are keyed from torch's global generator (--seed).
@@ -136,7 +148,7 @@ class ModelRunner(RunnerUtilities):
         ):
             blocks = load_gguf_blocks(self.model_config)
         model: LlamaModel = model_class(self.model_config.architecture)(
-            self.model_config, self.dtype, self.device, self.backend, self.tp
+            self.model_config, self.dtype, self.device, self.backend, self.tp, self.stage
         )
         model.load_weights(weight_pairs(self.model_config), int4, blocks)
         return model
@@ -146,7 +158,8 @@ class ModelRunner(RunnerUtilities):
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        layers = len(self.stage.layers)
+        return 2 * layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     def _cache(self, num_blocks: int) -> torch.Tensor:
         """One layer's key (or value) cache, in the backend's layout."""
@@ -161,9 +174,8 @@ class ModelRunner(RunnerUtilities):
                 budget = self._default_kv_budget()
             num_blocks = max(budget // self.kv_bytes_per_block(), 1)
         self.num_kv_blocks = int(num_blocks)
-        mc = self.model_config
         self.kv_caches = [
-            (self._cache(num_blocks), self._cache(num_blocks)) for _ in range(mc.num_layers)
+            (self._cache(num_blocks), self._cache(num_blocks)) for _ in self.stage.layers
         ]
         if self.device.type == "cpu":
             # Touch every page now. Left untouched, the OS hands the cache out page
@@ -181,6 +193,7 @@ class ModelRunner(RunnerUtilities):
             and not self.config.enforce_eager
             and self.lora_stacks is None
             and self.tp.size == 1  # the all-reduces run eagerly
+            and self.stage.size == 1  # and the sends between stages
         ):
             self._capture_graphs(int(num_blocks))
         return int(num_blocks)
@@ -252,6 +265,8 @@ class ModelRunner(RunnerUtilities):
             return StepResult()
         batch = self._build_inputs(plan)
         hidden = self._forward(batch)
+        if not self.stage.is_last:
+            return StepResult()  # the last stage samples
         result = StepResult()
         if batch.pool_rows:
             self._pool(hidden, batch.pool_rows, result)
@@ -272,6 +287,11 @@ class ModelRunner(RunnerUtilities):
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            for token_id in cached.new_token_ids:  # pipeline parallelism's sampled tokens
+                state.token_ids.append(token_id)
+                state.output_token_ids.append(token_id)
+                if state.history_slot >= 0:
+                    self.history.append(state.history_slot, token_id)
 
     def _build_inputs(self, plan: SchedulePlan) -> _Inputs:
         """The flat batch: decode rows (one query token) first, so they batch as one block."""
@@ -327,22 +347,32 @@ class ModelRunner(RunnerUtilities):
                 return hidden
         # Only the sampled tokens' hidden states are needed when no prompt
         # logprobs or pooling read the others (and no LoRA indexes tokens).
+        stage = self.stage
         if (
             self.backend.supports_last_rows
+            and stage.is_last
             and lora is None
             and not inputs.pool_rows
             and not inputs.prompt_lp_rows
             and len(inputs.logit_rows) < len(inputs.input_ids)
         ):
             inputs.last_rows = torch.tensor(inputs.logit_rows, dtype=torch.long, device=device)
-        return self.model.forward(
+        carry = None
+        if not stage.is_first:
+            shape = (2, len(inputs.input_ids), self.model_config.hidden_size)
+            carry = stage.recv(shape, self.dtype, device)
+        hidden = self.model.forward(
             torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
             torch.tensor(inputs.positions, dtype=torch.long, device=device),
             self.backend.build_metadata(attn),
             self.kv_caches,
             lora,
             inputs.last_rows,
+            carry,
         )
+        if not stage.is_last:
+            stage.send(hidden)
+        return hidden
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: _Inputs, result: StepResult) -> None:
         for request_id, flat_start, pos, n in inputs.prompt_lp_rows:
@@ -367,13 +397,15 @@ class ModelRunner(RunnerUtilities):
             apply_grammar_bitmask(logits, sample_ids, plan.grammar_bitmask)
         rows = [self._sampling_row(s) for s in states]
         token_ids, logprobs = sample(logits, rows, self.history)
+        keeps_tokens = self.stage.size == 1  # else they come back in the next plan
         for request_id, state, token_id, lp in zip(
             sample_ids, states, token_ids, logprobs, strict=True
         ):
-            state.token_ids.append(token_id)
-            state.output_token_ids.append(token_id)
-            if state.history_slot >= 0:
-                self.history.append(state.history_slot, token_id)
+            if keeps_tokens:
+                state.token_ids.append(token_id)
+                state.output_token_ids.append(token_id)
+                if state.history_slot >= 0:
+                    self.history.append(state.history_slot, token_id)
             result.sampled_token_ids[request_id] = token_id
             if lp is not None:
                 result.logprobs[request_id] = lp

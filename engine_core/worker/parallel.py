@@ -1,4 +1,5 @@
-"""Tensor parallelism: a rank's place in its group and the collectives it runs.
+"""Tensor and pipeline parallelism: a rank's place in its groups and the
+collectives it runs.
 
 vLLM's layout: q/k/v and gate|up are split by output (column-parallel: each
 rank its heads, its share of the MLP), o and down by input (row-parallel:
@@ -7,6 +8,14 @@ LM head by vocabulary. KV heads are split like the query heads, or
 replicated when there are fewer of them than ranks. Collectives go over
 torch.distributed (gloo on the CPU, NCCL on CUDA), set up by the worker
 process (worker/proc.py) with a time limit.
+
+Pipeline parallelism splits the layers into consecutive stages (vLLM's rank
+layout: rank = stage * tensor_parallel_size + tensor-parallel rank). The
+first stage embeds the tokens, the last holds the final norm and the LM head
+and samples; between stages each rank sends the residual stream of its
+tokens to the rank of the same tensor-parallel index in the next stage with
+torch.distributed send/recv. Each stage's ranks form their own
+tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -36,13 +45,15 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     shm: Any = field(default=None, compare=False)
+    # The torch.distributed group of these ranks (None: the whole world).
+    group: Any = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in place (x itself without a group)."""
         if self.size > 1 and (self.shm is None or not self.shm.all_reduce(x)):
             import torch.distributed as dist
 
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +68,7 @@ class TensorParallel:
 
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
     def split(self, n: int) -> slice:
@@ -72,6 +83,89 @@ class TensorParallel:
             return self.split(num_kv_heads)
         head = self.rank * num_kv_heads // self.size
         return slice(head, head + 1)
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This rank's pipeline stage: which of the model's layers it holds, and
+    the ranks it receives from and sends to (same tensor-parallel index)."""
+
+    index: int = 0
+    size: int = 1
+    layers: range = range(0)
+    prev_rank: int | None = None
+    next_rank: int | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.size - 1
+
+    def recv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The previous stage's tensor of this shape."""
+        import torch.distributed as dist
+
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src=self.prev_rank)
+        return x
+
+    def send(self, x: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.send(x.contiguous(), dst=self.next_rank)
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+    """The layers of one stage: an even split, earlier stages taking the remainder."""
+    share, extra = divmod(num_layers, num_stages)
+    start = stage * share + min(stage, extra)
+    return range(start, start + share + (stage < extra))
+
+
+def pipeline_stage(num_layers: int, tp_size: int, pp_size: int, rank: int) -> PipelineStage:
+    """The stage of a rank in vLLM's layout (rank = stage * tp_size + tp rank)."""
+    index = rank // tp_size
+    return PipelineStage(
+        index=index,
+        size=pp_size,
+        layers=stage_layers(num_layers, pp_size, index),
+        prev_rank=rank - tp_size if index > 0 else None,
+        next_rank=rank + tp_size if index < pp_size - 1 else None,
+    )
+
+
+def tensor_parallel_groups(tp_size: int, pp_size: int, rank: int) -> Any:
+    """This rank's tensor-parallel process group (None: the whole world is one).
+    Collective: every rank creates every stage's group, in the same order."""
+    if pp_size == 1 or tp_size == 1:
+        return None
+    import torch.distributed as dist
+
+    mine = None
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def check_pipeline_parallel(model_config: ModelConfig, size: int) -> None:
+    """ValueError unless the model's layers can be split into `size` stages."""
+    if size == 1:
+        return
+    if model_config.is_encoder:
+        raise ValueError("encoder (pooling) models run at --pipeline-parallel-size 1 only")
+    if size > model_config.num_layers:
+        raise ValueError(
+            f"the model's {model_config.num_layers} layers cannot be split into "
+            f"--pipeline-parallel-size {size} stages"
+        )
 
 
 def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
@@ -134,7 +228,7 @@ def shared_memory_all_reduce(tp: TensorParallel, device: torch.device, tag: str)
     except OSError:
         room = False
     agreed = torch.tensor([int(room)])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.group)
     if not agreed.item():
         logger.warning("too little room in /dev/shm for the shared-memory all-reduce: gloo")
         return None

@@ -22,9 +22,12 @@ from pagoda.engine_core.worker.encoder_runner import EncoderRunner
 from pagoda.engine_core.worker.model_runner import ModelRunner, resolve_device
 from pagoda.engine_core.worker.parallel import (
     TensorParallel,
+    check_pipeline_parallel,
     check_tensor_parallel,
+    pipeline_stage,
     rank_config,
     shared_memory_all_reduce,
+    tensor_parallel_groups,
 )
 
 
@@ -37,6 +40,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     pooler: str  # the default pooler (used by the embed task)
     # How tensor-parallel partial sums are added: "shm", "gloo", "nccl", "" (one rank).
     all_reduce: str = ""
+    # Its pipeline stage and the model layers it holds [first, last + 1).
+    stage: int = 0
+    layers: tuple[int, int] = (0, 0)
 
 
 def device_type(config: EngineConfig) -> str:
@@ -58,17 +64,24 @@ class Worker:
         for the shared-memory all-reduce (None: torch.distributed alone)."""
         self.config = config
         self.rank = rank
-        size = config.tensor_parallel_size
+        size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
         check_tensor_parallel(model_config, size)
-        self.tp = TensorParallel(rank % size, size)
+        check_pipeline_parallel(model_config, stages)
+        self.stage = pipeline_stage(model_config.num_layers, size, stages, rank)
+        group = tensor_parallel_groups(size, stages, rank)
+        self.tp = TensorParallel(rank % size, size, group=group)
         if size > 1 and shm_tag is not None:
-            shm = shared_memory_all_reduce(self.tp, resolve_device(config.device), shm_tag)
-            self.tp = TensorParallel(self.tp.rank, size, shm)
+            shm = shared_memory_all_reduce(
+                self.tp, resolve_device(config.device), f"{shm_tag}-s{self.stage.index}"
+            )
+            self.tp = TensorParallel(self.tp.rank, size, shm, group)
         self.runner: ModelRunner | EncoderRunner
         if model_config.is_encoder:
             self.runner = EncoderRunner(config, model_config)
         else:
-            self.runner = ModelRunner(config, rank_config(model_config, self.tp), self.tp)
+            self.runner = ModelRunner(
+                config, rank_config(model_config, self.tp), self.tp, self.stage
+            )
         self._profiler: torch.profiler.profile | None = None
 
     # ----------------------------------------------------------------- step
@@ -93,6 +106,8 @@ class Worker:
             dtype=str(runner.dtype).removeprefix("torch."),
             pooler=str(runner.pooler),
             all_reduce=self._all_reduce_kind(),
+            stage=self.stage.index,
+            layers=(self.stage.layers.start, self.stage.layers.stop),
         )
 
     def _all_reduce_kind(self) -> str:

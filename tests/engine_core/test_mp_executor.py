@@ -62,10 +62,17 @@ def requests(vocab: int) -> list[AddRequest]:
     ]
 
 
-def test_mp_gives_the_uni_executors_tokens_and_logprobs(tiny_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("pp", [1, 2])
+def test_mp_gives_the_uni_executors_tokens_and_logprobs(
+    tiny_models: dict[str, Path], pp: int
+) -> None:
+    """Greedy, seeded top-p, penalties, logprobs and prompt logprobs: the same
+    through worker processes (and pipeline stages, whose last stage samples
+    and sends the tokens back through the engine) as in process."""
     runs = {}
     for backend in ("uni", "mp"):
-        engine = tiny_engine(tiny_models["llama"], backend)
+        stages = pp if backend == "mp" else 1
+        engine = tiny_engine(tiny_models["llama"], backend, pipeline_parallel_size=stages)
         try:
             assert isinstance(engine.executor, MPExecutor) == (backend == "mp")
             runs[backend] = run_to_completion(engine, requests(engine.info.vocab_size)).records
@@ -133,44 +140,57 @@ def greedy_run(engine: EngineCore, prompts: list[list[int]], max_tokens: int) ->
 
 
 @pytest.mark.parametrize(
-    ("kind", "tp", "all_reduce"),
-    [("llama", 2, "shm"), ("qwen3", 2, "shm"), ("llama", 4, "shm"), ("llama", 2, "gloo")],
+    ("kind", "tp", "pp", "all_reduce"),
+    [
+        ("llama", 2, 1, "shm"),
+        ("qwen3", 2, 1, "shm"),
+        ("llama", 4, 1, "shm"),
+        ("llama", 2, 1, "gloo"),
+        ("llama", 1, 2, ""),
+        ("qwen3", 1, 2, ""),
+        ("llama", 2, 2, "shm"),
+        ("qwen3", 2, 2, "gloo"),
+    ],
 )
-def test_tensor_parallel_gives_the_single_rank_tokens(
-    tiny_models: dict[str, Path], kind: str, tp: int, all_reduce: str, monkeypatch: Any
+def test_parallel_ranks_give_the_single_rank_tokens(
+    tiny_models: dict[str, Path], kind: str, tp: int, pp: int, all_reduce: str, monkeypatch: Any
 ) -> None:
-    """Heads, MLP and vocabulary split over the ranks (at 4 ranks the 2 KV heads
-    are replicated), the partial sums added through shared memory or gloo:
-    greedy tokens as at one rank and as transformers gives them, logprobs
-    within 1e-4; prompts chunked, and preempted by a small cache."""
-    monkeypatch.setenv("PAGODA_CPU_ALLREDUCE", all_reduce)
+    """Heads, MLP and vocabulary split over tp ranks (at 4 ranks the 2 KV heads
+    are replicated), the partial sums added through shared memory or gloo,
+    the layers split into pp stages passing hidden states on: greedy tokens
+    as at one rank and as transformers gives them, logprobs within 1e-4;
+    prompts chunked, and preempted by a small cache."""
+    monkeypatch.setenv("PAGODA_CPU_ALLREDUCE", all_reduce or "shm")
     prompts = random_prompts(8, 5, 1000, 4, 40)
     mc = load_model_config(str(tiny_models[kind]))
     runs = {}
-    for size in (1, tp):
-        # 12 blocks of 16 on every rank (each holds its KV heads): too few for
-        # the five requests at once, so some are preempted and recomputed.
+    for size, stages in ((1, 1), (tp, pp)):
+        # 12 blocks of 16 on every rank (each holds its KV heads of its stage's
+        # layers): too few for the five requests at once, so some are
+        # preempted and recomputed.
         kv_heads = max(mc.num_kv_heads // size, 1)
-        block_bytes = 2 * mc.num_layers * 16 * kv_heads * mc.head_dim * 4
+        block_bytes = 2 * (mc.num_layers // stages) * 16 * kv_heads * mc.head_dim * 4
         engine = tiny_engine(
             tiny_models[kind],
-            "mp" if size > 1 else "uni",
+            "mp" if size * stages > 1 else "uni",
             tensor_parallel_size=size,
+            pipeline_parallel_size=stages,
             kv_cache_memory_bytes=12 * block_bytes,
         )
         try:
             assert engine.info.num_kv_blocks == 12
             info = engine.executor.collective_rpc("describe")
             used = "nccl" if torch.cuda.is_available() else all_reduce  # on GPUs, NCCL
-            assert [i.all_reduce for i in info] == ([used] * size if size > 1 else [""])
-            runs[size] = greedy_run(engine, prompts, 16)
+            assert [i.all_reduce for i in info] == [used if size > 1 else ""] * (size * stages)
+            assert [i.stage for i in info] == [rank // size for rank in range(size * stages)]
+            runs[size, stages] = greedy_run(engine, prompts, 16)
             assert engine.scheduler.num_preemptions > 0
         finally:
             engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_models[kind]), dtype=torch.float32)
     expected = hf_greedy(hf, prompts, 16)
     for i, tokens in enumerate(expected):
-        one, many = runs[1][f"g{i}"], runs[tp][f"g{i}"]
+        one, many = runs[1, 1][f"g{i}"], runs[tp, pp][f"g{i}"]
         assert many.token_ids == one.token_ids == tokens, i
         for a, b in zip(one.logprobs, many.logprobs, strict=True):
             assert a.token_ids == b.token_ids
