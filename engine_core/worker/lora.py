@@ -12,10 +12,20 @@ A matrices of q, k and v side by side along the rank axis and the B
 matrices block-diagonal, one shrink and one expand per fused projection.
 kernels/lora.py runs them for a batch whose tokens each name a slot (on
 CUDA, kernels/triton_ops/lora.py).
+
+Under tensor parallelism each rank keeps the part of an adapter that goes
+with its shard of the base weights (vLLM's layout): for the column-parallel
+q, k, v, gate and up, all of A and its rows of B (for k and v the rows of
+its KV heads, replicated like the base weights when there are fewer KV
+heads than ranks); for the row-parallel o and down, its columns of A (its
+slice of the input) and all of B, so that its delta is a partial sum that
+the all-reduce after o and down adds up with the base projection's.
+Adapters on the embedding or the LM head are refused, at one rank or many.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.model_config import ModelConfig, load_model_config
+from pagoda.engine_core.worker.parallel import TensorParallel
 from pagoda.kernels.lora import LoRAGroups, add_lora
 
 if TYPE_CHECKING:
@@ -52,16 +63,22 @@ class LoRALoadError(ValueError):
 
 @dataclass
 class LoRAAdapter:
-    """One adapter's weights on the CPU: (layer, module) -> (A [r, in], scaled B [out, r])."""
+    """One adapter's weights on the CPU: (layer, module) -> (A [r, in], scaled B [out, r]).
+
+    Under tensor parallelism the weights are one rank's part (`shard`: its
+    rank and the group's size), in the shapes of that rank's projections.
+    """
 
     path: str
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    shard: tuple[int, int] = (0, 1)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """PEFT module name -> (in_features, out_features) of the base projection."""
+    """PEFT module name -> (in_features, out_features) of the base projection
+    (of a rank's shard of it, given the rank's config)."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
     h, inter = config.hidden_size, config.intermediate_size
@@ -114,14 +131,71 @@ def _check_config(path: str, config: dict[str, object], max_rank: int) -> tuple[
     return rank, float(scale)
 
 
-def load_adapter(path: str, model_config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and validate a PEFT adapter directory for this base model."""
+def whole_model_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """The whole model's config, given a rank's (parallel.rank_config).
+
+    Read again from the model's files: a rank that holds one KV head cannot
+    tell a model with one per rank (split) from one with fewer (replicated).
+    """
+    if tp.size == 1:
+        return config
+    whole = load_model_config(config.path)
+    return dataclasses.replace(
+        config,
+        num_heads=whole.num_heads,
+        num_kv_heads=whole.num_kv_heads,
+        intermediate_size=whole.intermediate_size,
+    )
+
+
+def shard_lora(
+    module: str, a: torch.Tensor, b: torch.Tensor, tp: TensorParallel, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of one module's whole A [r, in] and B [out, r], split
+    as LlamaModel._shard splits the base weight."""
+    if tp.size == 1:
+        return a, b
+    if module in ("q_proj", "gate_proj", "up_proj"):  # column-parallel: B's rows
+        return a, b[tp.split(b.shape[0])]
+    if module in ("k_proj", "v_proj"):  # the rank's KV heads' rows
+        heads = tp.kv_heads(b.shape[0] // head_dim)
+        return a, b[heads.start * head_dim : heads.stop * head_dim]
+    # o_proj, down_proj, row-parallel: A's columns, a partial sum per rank
+    return a[:, tp.split(a.shape[1])].contiguous(), b
+
+
+def load_adapter(
+    path: str, model_config: ModelConfig, max_rank: int, tp: TensorParallel | None = None
+) -> LoRAAdapter:
+    """Read and validate a PEFT adapter directory for this base model (its
+    whole config); with `tp`, keep the rank's part (shard_lora)."""
+    tp = tp or TensorParallel()
+    path = os.path.abspath(path)
+    rank, scaling = _check_config(path, _read_config(path), max_rank)
+    pairs = _read_pairs(path, model_config.num_layers)
+    shapes = module_shapes(model_config)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), (a, b) in pairs.items():
+        in_features, out_features = shapes[module]
+        if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+            raise LoRALoadError(
+                f"{path}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+                f"this model needs {(rank, in_features)} and {(out_features, rank)}"
+            )
+        a, b = shard_lora(module, a.float(), b.float(), tp, model_config.head_dim)
+        weights[(layer, module)] = (a, b * scaling)
+    if not weights:
+        raise LoRALoadError(f"{path}: the adapter has no LoRA weights")
+    return LoRAAdapter(path, rank, scaling, weights, (tp.rank, tp.size))
+
+
+def _read_pairs(
+    path: str, num_layers: int
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, module) -> (A, B) as the adapter file holds them, names checked."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = os.path.abspath(path)
-    config = _read_config(path)
-    rank, scaling = _check_config(path, config, max_rank)
     weights_file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights_file):
         raise LoRALoadError(f"no adapter_model.safetensors in {path!r}", "not_found")
@@ -129,7 +203,6 @@ def load_adapter(path: str, model_config: ModelConfig, max_rank: int) -> LoRAAda
         tensors = load_file(weights_file)
     except (OSError, SafetensorError) as e:
         raise LoRALoadError(f"{weights_file}: unreadable ({e})") from None
-    shapes = module_shapes(model_config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
@@ -139,24 +212,15 @@ def load_adapter(path: str, model_config: ModelConfig, max_rank: int) -> LoRAAda
                 f"{', '.join(sorted(SUPPORTED_MODULES))} only)"
             )
         layer = int(match.group(1))
-        if layer >= model_config.num_layers:
+        if layer >= num_layers:
             raise LoRALoadError(f"{path}: {key!r} names layer {layer}; the model has fewer")
         halves.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for (layer, module), pair in halves.items():
-        if set(pair) != {"A", "B"}:
+    pairs = {}
+    for (layer, module), half in halves.items():
+        if set(half) != {"A", "B"}:
             raise LoRALoadError(f"{path}: layer {layer} {module} lacks lora_A or lora_B")
-        in_features, out_features = shapes[module]
-        a, b = pair["A"].float(), pair["B"].float()
-        if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
-            raise LoRALoadError(
-                f"{path}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
-                f"this model needs {(rank, in_features)} and {(out_features, rank)}"
-            )
-        weights[(layer, module)] = (a, b * scaling)
-    if not weights:
-        raise LoRALoadError(f"{path}: the adapter has no LoRA weights")
-    return LoRAAdapter(path=path, rank=rank, scaling=scaling, weights=weights)
+        pairs[(layer, module)] = (half["A"], half["B"])
+    return pairs
 
 
 class LoRAStacks:
@@ -169,7 +233,13 @@ class LoRAStacks:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """`model_config` is this rank's under tensor parallelism (`tp`): the
+        stacks hold the rank's parts of the adapters (load_adapter's shard)."""
+        self.tp = tp or TensorParallel()
+        # What adapters are checked against before they are cut to the rank's part.
+        self.whole_config = whole_model_config(model_config, self.tp)
         self.max_rank = max_rank
         self.num_slots = max_loras + 1  # slot 0: no adapter, zeros
         shapes = module_shapes(model_config)
@@ -188,6 +258,7 @@ class LoRAStacks:
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy an adapter into a slot (1..max_loras), replacing what was there."""
         assert 0 < slot < self.num_slots, f"bad LoRA slot {slot}"
+        assert adapter.shard == (self.tp.rank, self.tp.size), "an adapter cut for another rank"
         r = adapter.rank
         for (layer, fused), (a_stack, b_stack) in self.stacks.items():
             a_stack[slot].zero_()

@@ -127,7 +127,12 @@ class ModelRunner(RunnerUtilities):
         self.lora_stacks: LoRAStacks | None = None
         if config.enable_lora:
             self.lora_stacks = LoRAStacks(
-                model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device
+                model_config,
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+                self.tp,
             )
 
     def _load_model(self) -> LlamaModel:

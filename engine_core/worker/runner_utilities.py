@@ -80,7 +80,8 @@ class RunnerUtilities:
         """Read and check an adapter into host memory; returns its rank (LoRAError if bad)."""
         if self.lora_stacks is None:
             raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
-        adapter = load_adapter(path, self.model_config, self.config.max_lora_rank)
+        stacks = self.lora_stacks
+        adapter = load_adapter(path, stacks.whole_config, self.config.max_lora_rank, stacks.tp)
         self.lora_adapters[name] = adapter
         return adapter.rank
 
