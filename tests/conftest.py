@@ -35,14 +35,14 @@ TINY_EOS_TOKEN_ID = TINY_VOCAB_SIZE - 1
 TINY_MODEL_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3")
 
 
-def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
+def build_tiny_model(kind: str, directory: Path, seed: int = 0, num_kv_heads: int = 2) -> Path:
     """Save a random-weight decoder of `kind` into `directory` and return it.
 
-    Hidden 64, 2 layers, 4 heads over 2 KV heads (GQA), head_dim 16. Every
-    parameter is redrawn from a seeded generator so that Qwen2's q/k/v biases
-    and Qwen3's q/k norms are far from their zero/one initialisation (a
-    loader that dropped them would change the outputs), and the weights are
-    large enough that greedy choices are not near-ties.
+    Hidden 64, 2 layers, 4 heads over 2 KV heads (GQA; or `num_kv_heads`),
+    head_dim 16. Every parameter is redrawn from a seeded generator so that
+    Qwen2's q/k/v biases and Qwen3's q/k norms are far from their zero/one
+    initialisation (a loader that dropped them would change the outputs),
+    and the weights are large enough that greedy choices are not near-ties.
     """
     import torch
     from transformers import (
@@ -58,7 +58,7 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0) -> Path:
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=16,
         vocab_size=TINY_VOCAB_SIZE,
         max_position_embeddings=512,

@@ -15,8 +15,6 @@ def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor
 
     check_tensor_parallel(model_config, config.tensor_parallel_size)
     check_pipeline_parallel(model_config, config.pipeline_parallel_size)
-    if config.tensor_parallel_size > 1 and config.enable_lora:
-        raise ValueError("LoRA adapters with tensor parallelism are not available yet")
     backend = config.executor_backend
     if backend == "uni":
         from pagoda.engine_core.executor.uni import UniExecutor
