@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from concurrent.futures import wait
 from dataclasses import dataclass, replace
 
@@ -92,7 +93,11 @@ class EngineCore(EngineUtilities):
             max_model_len=max_model_len,
             lora_slots=self.lora.slots if self.lora is not None else None,
             sends_token_ids=config.pipeline_parallel_size > 1,
+            pipeline_depth=config.pipeline_parallel_size,
         )
+        # Plans submitted to the executor whose results are not back yet (more
+        # than one only with pipeline stages to keep busy).
+        self._in_flight: deque[SchedulePlan] = deque()
         name = config.served_model_name or (
             DEFAULT_MODEL_NAME if config.model is None else config.model
         )
@@ -282,21 +287,32 @@ class EngineCore(EngineUtilities):
         return len(ids)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight)
 
     # ------------------------------------------------------------------- step
 
     def step(self) -> list[tuple[Request, RequestDelta]]:
-        """schedule → execute → update."""
+        """schedule → execute → update.
+
+        With pipeline stages, plans are submitted until as many are in flight
+        as there are stages (or nothing more can be scheduled), then the
+        oldest one's result is taken: one update per call either way.
+        """
         failed = self._reap_grammars() + self._expire_queued()
-        plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.finished_request_ids:
+        while len(self._in_flight) < self.scheduler.pipeline_depth:
+            plan = self.scheduler.schedule()
+            if plan.is_empty and not plan.finished_request_ids:
+                break
+            plan.grammar_bitmask = self._grammar_bitmask(plan)
+            self.executor.submit(plan)
+            self._in_flight.append(plan)
+        if not self._in_flight:
             if not failed and self._compiling:
                 # Only grammars in flight: wait for one rather than spin.
                 wait([r.grammar for r in self._compiling.values() if r.grammar], timeout=0.02)
             return failed
-        plan.grammar_bitmask = self._grammar_bitmask(plan)
-        result = self.executor.execute(plan)
+        plan = self._in_flight.popleft()
+        result = self.executor.collect()
         ended = self._advance_grammars(plan, result)
         return failed + self.scheduler.update(plan, result, ended)
 

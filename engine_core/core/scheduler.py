@@ -7,6 +7,11 @@ blocks run out, the lowest-priority, newest running request not yet
 scheduled in this step is preempted: its blocks are freed and it is
 recomputed later (prefix caching usually gives most of them back).
 
+Under pipeline parallelism up to `pipeline_depth` plans are in flight at
+once (one per stage): a request in a plan not yet back is not scheduled
+again (its next token is not known), and each plan takes an even share of
+the requests, so the stages have something to work on while the others do.
+
 Pooling requests are never chunked and never use the prefix cache: each is
 scheduled whole in one step (an encoder attends in both directions and the
 pooled vector needs every token's hidden state), batched with the other
@@ -37,9 +42,11 @@ class Scheduler:
         max_model_len: int,
         lora_slots: LoRASlots | None = None,
         sends_token_ids: bool = False,
+        pipeline_depth: int = 1,
     ) -> None:
         """`sends_token_ids`: the workers keep no sampled tokens (pipeline
-        parallelism); each plan brings them a request's tokens since the last."""
+        parallelism); each plan brings them a request's tokens since the last.
+        `pipeline_depth`: how many plans may be in flight at once."""
         self.block_manager = block_manager
         # With LoRA: a request runs only while its adapter holds a slot, so a
         # step never names more adapters than there are slots.
@@ -54,6 +61,10 @@ class Scheduler:
         self._runner_known: set[str] = set()
         # With sends_token_ids: how many of each request's tokens the runner has.
         self._runner_tokens: dict[str, int] | None = {} if sends_token_ids else None
+        self.pipeline_depth = pipeline_depth
+        # Requests in plans whose results are not back yet (pipeline_depth > 1),
+        # as scheduled: one aborted and replaced under its id is another object.
+        self.in_flight: dict[str, Request] = {}
         self._finished_since_last_plan: list[str] = []
         self.num_preemptions = 0
 
@@ -94,17 +105,29 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted_now = False
+        in_flight = self.in_flight
+        # With plans in flight, each takes an even share of the requests.
+        share = self.max_num_seqs
+        if self.pipeline_depth > 1:
+            share = max(-(-self.num_unfinished // self.pipeline_depth), 1)
 
         # 1. Running requests first, in order; preempt from the back if short.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in in_flight or len(num_scheduled) >= share:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_old_blocks = len(self.block_manager.get_block_ids(request.request_id))
             while not self.block_manager.allocate_slots(request, num_new):
-                # Only requests not yet in this step's plan may go: one that is
-                # already planned would reach the runner after being forgotten.
-                victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
+                # Only requests not yet in this step's plan (nor in flight) may
+                # go: one already planned would reach the runner after being
+                # forgotten.
+                victim = max(
+                    (r for r in self.running[i:] if r.request_id not in in_flight),
+                    key=lambda r: (r.priority, r.arrival_time),
+                )
                 self._preempt(victim)
                 preempted_now = True
                 if victim is request:
@@ -131,9 +154,16 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt.
         while self.waiting and not preempted_now and budget > 0:
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs or len(num_scheduled) >= share:
                 break
-            ready = next((r for r in self.waiting if r.is_ready and self._lora_fits(r)), None)
+            ready = next(
+                (
+                    r
+                    for r in self.waiting
+                    if r.is_ready and self._lora_fits(r) and r.request_id not in in_flight
+                ),
+                None,
+            )
             if ready is None:
                 break  # the rest wait for their grammars to compile
             request = ready
@@ -176,6 +206,9 @@ class Scheduler:
             if self._runner_tokens is not None:
                 self._runner_tokens[request.request_id] = request.num_tokens
 
+        if self.pipeline_depth > 1:
+            for request_id in num_scheduled:
+                in_flight[request_id] = self.requests[request_id]
         finished = self._finished_since_last_plan
         self._finished_since_last_plan = []
         loads = self.lora_slots.take_pending_loads() if self.lora_slots is not None else []
@@ -204,6 +237,8 @@ class Scheduler:
         deltas: list[tuple[Request, RequestDelta]] = []
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
+            if self.in_flight.pop(request_id, request) is not request:
+                continue  # aborted while in flight, and its id taken again
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens

@@ -1,8 +1,9 @@
 """Executor: the only door from the engine core to its workers.
 
-The engine core calls these five things and nothing else of the compute
-side: `initialize_kv_cache()`, `execute(plan)`, `collective_rpc(method,
-...)`, `check_health()`, `shutdown()`. What crosses is plain data
+The engine core calls these things and nothing else of the compute side:
+`initialize_kv_cache()`, `execute(plan)` (or `submit(plan)` then
+`collect()`, to keep several steps in flight through pipeline stages),
+`collective_rpc(method, ...)`, `check_health()`, `shutdown()`. What crosses is plain data
 (engine_core/core/plan.py), so the workers may live in this process (`uni`),
 in a process per local rank (`mp`, one module beside this one) or in Ray
 actors (`ray`, likewise): each is a subclass here, chosen by
@@ -12,6 +13,7 @@ actors (`ray`, likewise): each is a subclass here, chosen by
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any
 
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
@@ -32,6 +34,19 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, plan: SchedulePlan) -> StepResult:
         """Run one step on every rank."""
+
+    def submit(self, plan: SchedulePlan) -> None:
+        """Start a step; its result comes from `collect()`, results in the order
+        their plans were submitted. Executors whose ranks work concurrently
+        return at once, so the next plan can enter the first pipeline stage
+        while this one is in the later ones; here it runs the step now."""
+        if not hasattr(self, "_results"):
+            self._results: deque[StepResult] = deque()
+        self._results.append(self.execute(plan))
+
+    def collect(self) -> StepResult:
+        """The result of the oldest submitted step not yet collected."""
+        return self._results.popleft()
 
     @abstractmethod
     def collective_rpc(

@@ -7,7 +7,13 @@ rank runs every step; all ranks sample the same tokens from the same logits
 and the same seeded generators (torch's generator is seeded with --seed on
 every rank, and seeded requests draw from Philox keyed by their seed), so
 each keeps its own request state with no broadcast of sampled tokens, and
-rank 0's result is the step's.
+the result of the first rank of the last pipeline stage is the step's.
+
+Steps may be submitted ahead (`submit`, then `collect`): each rank takes its
+messages in order, so with pipeline stages the first stage works on the next
+plan while later stages finish the one before. Replies are kept per rank in
+arrival order; a control call first gathers the steps still in flight
+(their results wait for `collect`).
 
 Nothing here waits without a bound: while a reply is due, the worker
 processes are checked every 0.1 s, and a rank that exits, or does not
@@ -27,6 +33,7 @@ import subprocess
 import tempfile
 import time
 import typing
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -79,6 +86,12 @@ class MPExecutor(Executor):
             init = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
+        # Each rank's replies not yet gathered, in arrival order.
+        self._queued: dict[int, deque[tuple[bytes, bytes]]] = {
+            rank: deque() for rank in range(self.world_size)
+        }
+        self._in_flight = 0  # steps submitted and not yet gathered
+        self._done: deque[StepResult] = deque()  # gathered, not yet collected
         self._replies.bind(replies_address(bound))
         self._inboxes = []
         for rank in range(self.world_size):
@@ -136,13 +149,29 @@ class MPExecutor(Executor):
         return int(blocks[0])
 
     def execute(self, plan: SchedulePlan) -> StepResult:
+        self.submit(plan)
+        return self.collect()
+
+    def submit(self, plan: SchedulePlan) -> None:
         self._send(EXECUTE, msgspec.msgpack.encode(plan))
+        self._in_flight += 1
+
+    def collect(self) -> StepResult:
+        if self._done:
+            return self._done.popleft()
+        return self._gather_step()
+
+    def _gather_step(self) -> StepResult:
+        assert self._in_flight > 0, "no step in flight"
         payloads = self._gather(CALL_TIMEOUT_S, "execute")
+        self._in_flight -= 1
         return msgspec.msgpack.decode(payloads[self._result_rank], type=StepResult)
 
     def collective_rpc(
         self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
+        while self._in_flight:  # their replies come first
+            self._done.append(self._gather_step())
         self._send(RPC, msgspec.msgpack.encode([method, list(args), kwargs or {}]))
         payloads = self._gather(CALL_TIMEOUT_S, method)
         kind = _return_type(method)
@@ -201,21 +230,22 @@ class MPExecutor(Executor):
         """Every rank's reply payload, in rank order; ExecutorError on a death,
         a time-out or a failed start. A rank's error in a call is raised as
         ValueError (the caller's mistake) or RuntimeError."""
-        got: dict[int, tuple[bytes, bytes]] = {}
+        queued = self._queued
         deadline = time.monotonic() + timeout_s
-        while len(got) < self.world_size:
+        while not all(queued.values()):
             if self._replies.poll(_POLL_MS):
                 rank_b, status, payload = self._replies.recv_multipart()
-                got[int(rank_b)] = (status, payload)
+                queued[int(rank_b)].append((status, payload))
                 continue
             for rank, proc in self._procs.items():
-                if rank not in got and proc.poll() is not None:
+                if not queued[rank] and proc.poll() is not None:
                     raise ExecutorError(_died(rank, proc))
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(got))
+                missing = [rank for rank, replies in queued.items() if not replies]
                 raise ExecutorError(
                     f"worker rank {missing[0]} did not answer {what} within {timeout_s:g} s"
                 )
+        got = {rank: replies.popleft() for rank, replies in queued.items()}
         failed = [(rank, p) for rank, (status, p) in sorted(got.items()) if status == ERROR]
         if failed:
             rank, payload = failed[0]
@@ -233,7 +263,14 @@ class MPExecutor(Executor):
 
 # Exceptions that say the call itself was wrong (bad adapter path, bad
 # arguments); the engine reports them to the caller and goes on.
-_CALLER_ERRORS = {"ValueError", "TypeError", "LoRAError", "KeyError", "FileNotFoundError"}
+_CALLER_ERRORS = {
+    "ValueError",
+    "TypeError",
+    "LoRAError",
+    "LoRALoadError",
+    "KeyError",
+    "FileNotFoundError",
+}
 
 
 def _return_type(method: str) -> Any:

@@ -75,17 +75,20 @@ def run_to_completion(engine: EngineCore, requests: list[AddRequest]) -> EngineR
     records = {r.request_id: RequestRecord() for r in requests}
     plans: list[SchedulePlan] = []
     executor = engine.executor
-    execute = executor.execute
+    submit, collect = executor.submit, executor.collect
 
-    def recording_execute(plan: SchedulePlan) -> StepResult:
+    def recording_submit(plan: SchedulePlan) -> None:
         plans.append(plan)
         # Plan and result pass through their wire form, as they would to and
         # from a worker in another process: plain data, nothing live.
-        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=SchedulePlan)
-        result = execute(wire)
+        submit(msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=SchedulePlan))
+
+    def recording_collect() -> StepResult:
+        result = collect()
         return msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=StepResult)
 
-    executor.execute = recording_execute  # type: ignore[method-assign]
+    executor.submit = recording_submit  # type: ignore[method-assign]
+    executor.collect = recording_collect  # type: ignore[method-assign]
     try:
         for add in requests:
             error = engine.add_request(add)
@@ -105,7 +108,7 @@ def run_to_completion(engine: EngineCore, requests: list[AddRequest]) -> EngineR
                 record.finish_reason = delta.finish_reason
             block_manager.check_invariants()
     finally:
-        del executor.execute  # back to the class's method
+        del executor.submit, executor.collect  # back to the class's methods
     assert block_manager.num_free_blocks == block_manager.num_blocks
     assert all(r.finish_reason is not None for r in records.values())
     return EngineRun(records, plans)

@@ -173,12 +173,6 @@ def test_two_ranks_give_the_single_rank_tokens_with_adapters(
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="the mp executor passes on a worker's LoRALoadError as RuntimeError: "
-    "_CALLER_ERRORS in executor/mp.py names LoRAError, which workers never raise",
-)
 def test_two_ranks_refuse_bad_adapters_as_one_does(setups: dict[int, dict[str, Path]]) -> None:
     engine = lora_engine(setups[2], 2)
     try:

@@ -81,8 +81,22 @@ def test_mp_gives_the_uni_executors_tokens_and_logprobs(
     for request_id, uni in runs["uni"].items():
         mp = runs["mp"][request_id]
         assert mp.token_ids == uni.token_ids, request_id
-        assert mp.logprobs == uni.logprobs, request_id
-        assert mp.prompt_logprobs == uni.prompt_logprobs, request_id
+        if pp == 1:  # the same batches: the same sums
+            assert mp.logprobs == uni.logprobs, request_id
+            assert mp.prompt_logprobs == uni.prompt_logprobs, request_id
+        else:  # the stages' plans split the batch: float32 rounding differs
+            assert_close_logprobs(mp.logprobs, uni.logprobs)
+            assert_close_logprobs(mp.prompt_logprobs or [], uni.prompt_logprobs or [])
+
+
+def assert_close_logprobs(got: list[Any], expected: list[Any]) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        if a is None or b is None:  # a prompt's first position
+            assert a is b
+            continue
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +197,11 @@ def test_parallel_ranks_give_the_single_rank_tokens(
             used = "nccl" if torch.cuda.is_available() else all_reduce  # on GPUs, NCCL
             assert [i.all_reduce for i in info] == [used if size > 1 else ""] * (size * stages)
             assert [i.stage for i in info] == [rank // size for rank in range(size * stages)]
+            depths: list[int] = []
+            engine.executor.submit = counting_submits(engine, depths)  # type: ignore[method-assign]
             runs[size, stages] = greedy_run(engine, prompts, 16)
             assert engine.scheduler.num_preemptions > 0
+            assert max(depths) == stages  # a plan in flight per stage
         finally:
             engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_models[kind]), dtype=torch.float32)
@@ -195,6 +212,17 @@ def test_parallel_ranks_give_the_single_rank_tokens(
         for a, b in zip(one.logprobs, many.logprobs, strict=True):
             assert a.token_ids == b.token_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def counting_submits(engine: EngineCore, depths: list[int]) -> Any:
+    """The engine's executor.submit, noting how many plans are in flight with each."""
+    submit = engine.executor.submit
+
+    def counted(plan: Any) -> None:
+        depths.append(len(engine._in_flight) + 1)
+        submit(plan)
+
+    return counted
 
 
 def test_tensor_parallel_refuses_what_does_not_divide(tiny_models: dict[str, Path]) -> None:

@@ -38,13 +38,17 @@ class FakeRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     wants_prompt_logprobs: bool
+    pending: list[int] = field(default_factory=list)  # sampled, not yet sent back
 
 
 class FakeRunner:
     """The model runner's bookkeeping, checked; a token-id 'KV cache'."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, keeps_tokens: bool = True) -> None:
+        """`keeps_tokens` False: as under pipeline parallelism, the sampled tokens
+        come back in the next plans (CachedRequestData.new_token_ids)."""
         self.block_size = block_size
+        self.keeps_tokens = keeps_tokens
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.states: dict[str, FakeRequestState] = {}
 
@@ -66,6 +70,13 @@ class FakeRunner:
             state = self.states[cached.request_id]
             assert cached.num_computed_tokens == state.num_computed_tokens
             state.block_ids.extend(cached.new_block_ids)
+            assert (
+                self.keeps_tokens
+                or cached.new_token_ids == state.pending[: len(cached.new_token_ids)]
+            )
+            if not self.keeps_tokens:
+                state.token_ids.extend(cached.new_token_ids)
+                del state.pending[: len(cached.new_token_ids)]
 
         result = StepResult()
         for request_id, n in plan.num_scheduled_tokens.items():
@@ -91,7 +102,10 @@ class FakeRunner:
             state.num_computed_tokens = end
             if end == len(state.token_ids):
                 token_id = fake_token(request_id, end)
-                state.token_ids.append(token_id)
+                if self.keeps_tokens:
+                    state.token_ids.append(token_id)
+                else:
+                    state.pending.append(token_id)
                 result.sampled_token_ids[request_id] = token_id
         return result
 
@@ -107,17 +121,28 @@ class Loop:
     runner: FakeRunner
     plans: list[SchedulePlan] = field(default_factory=list)
     deltas: dict[str, list[RequestDelta]] = field(default_factory=dict)
+    # Plans executed by the runner whose results the scheduler has not seen
+    # (pipeline_depth > 1: the runner is ahead of the scheduler).
+    in_flight: list[tuple[SchedulePlan, StepResult]] = field(default_factory=list)
 
     @property
     def block_manager(self) -> BlockManager:
         return self.scheduler.block_manager
 
     def step(self) -> SchedulePlan:
-        plan = self.scheduler.schedule()
-        assert plan.total_num_scheduled_tokens <= self.scheduler.max_num_batched_tokens
-        assert len(plan.num_scheduled_tokens) <= self.scheduler.max_num_seqs
-        assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
-        result = self.runner.execute(plan)
+        """Plans up to the pipeline depth, then the oldest one's update (as
+        EngineCore.step); returns the plan updated."""
+        while len(self.in_flight) < self.scheduler.pipeline_depth:
+            plan = self.scheduler.schedule()
+            assert plan.total_num_scheduled_tokens <= self.scheduler.max_num_batched_tokens
+            assert len(plan.num_scheduled_tokens) <= self.scheduler.max_num_seqs
+            assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
+            for earlier, _ in self.in_flight:
+                assert not set(plan.num_scheduled_tokens) & set(earlier.num_scheduled_tokens)
+            if plan.is_empty and not plan.finished_request_ids and self.in_flight:
+                break
+            self.in_flight.append((plan, self.runner.execute(plan)))
+        plan, result = self.in_flight.pop(0)
         for request, delta in self.scheduler.update(plan, result):
             self.deltas.setdefault(request.request_id, []).append(delta)
         self.block_manager.check_invariants()
@@ -150,10 +175,21 @@ def make_loop(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
+    pipeline_depth: int = 1,
 ) -> Loop:
+    """`pipeline_depth` > 1: plans in flight as with pipeline stages, the
+    runner's sampled tokens sent back in later plans."""
     bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
-    scheduler = Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len)
-    return Loop(scheduler, FakeRunner(num_blocks, BLOCK_SIZE))
+    pipelined = pipeline_depth > 1
+    scheduler = Scheduler(
+        bm,
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        sends_token_ids=pipelined,
+        pipeline_depth=pipeline_depth,
+    )
+    return Loop(scheduler, FakeRunner(num_blocks, BLOCK_SIZE, keeps_tokens=not pipelined))
 
 
 def make_request(
@@ -320,9 +356,11 @@ def test_max_model_len_ends_a_request() -> None:
     assert loop.deltas["r"][-1].finish_reason == "length"
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload(seed: int) -> None:
-    """Shared prefixes, arrivals over time, aborts and tight blocks, all checked."""
+def test_random_workload(seed: int, depth: int) -> None:
+    """Shared prefixes, arrivals over time, aborts and tight blocks, all checked;
+    with `depth` plans in flight as pipeline stages keep them."""
     rng = random.Random(seed)
     enable_prefix_caching = seed % 2 == 0
     num_blocks = rng.randint(12, 40)
@@ -333,6 +371,7 @@ def test_random_workload(seed: int) -> None:
         max_num_batched_tokens=rng.randint(1, 48),
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
+        pipeline_depth=depth,
     )
     prefixes = [prompt(100 + k, rng.randint(1, 20)) for k in range(3)]
     pending: list[Request] = []
@@ -348,6 +387,7 @@ def test_random_workload(seed: int) -> None:
                 prompt_logprobs=rng.choice([None, None, 2]),
             )
         )
+    lengths = {r.request_id: r.prompt_token_ids for r in pending}
     aborted: set[str] = set()
     for _ in range(5000):
         if pending and rng.random() < 0.5:
@@ -357,9 +397,10 @@ def test_random_workload(seed: int) -> None:
             loop.scheduler.finish_requests([victim])
             loop.block_manager.check_invariants()
             aborted.add(victim)
-        if not pending and not loop.scheduler.has_work():
+        if not pending and not loop.scheduler.has_work() and not loop.in_flight:
             break
-        loop.step()
+        if loop.scheduler.has_work() or loop.in_flight:
+            loop.step()
     loop.assert_idle()
     for i in range(30):
         request_id = f"r{i}"
@@ -368,5 +409,10 @@ def test_random_workload(seed: int) -> None:
         deltas = loop.deltas[request_id]
         assert deltas[-1].finish_reason == "length"
         assert sum(len(d.new_token_ids) for d in deltas) >= 1
+        # Each token is the one made up for its position: the runner read the
+        # right context, whichever plan its tokens came back in.
+        first = len(lengths[request_id])
+        outputs = loop.output_ids(request_id)
+        assert outputs == [fake_token(request_id, first + k) for k in range(len(outputs))]
     if enable_prefix_caching:
         assert loop.block_manager.num_prefix_hits > 0
