@@ -107,7 +107,7 @@ def test_rank_parts_keep_the_whole_models_errors(setups: dict[int, dict[str, Pat
             load_adapter(str(setups[kv_heads]["embed"]), mc, 8, tp)
 
 
-def lora_engine(setup: dict[str, Path], size: int) -> EngineCore:
+def lora_engine(setup: dict[str, Path], size: int, stages: int = 1) -> EngineCore:
     return EngineCore(
         EngineConfig(
             model=str(setup["base"]),
@@ -115,8 +115,9 @@ def lora_engine(setup: dict[str, Path], size: int) -> EngineCore:
             kv_cache_memory_bytes=4 << 20,
             max_num_batched_tokens=32,  # prompts are chunked
             num_threads=NUM_THREADS,
-            distributed_executor_backend="mp" if size > 1 else "uni",
+            distributed_executor_backend="mp" if size * stages > 1 else "uni",
             tensor_parallel_size=size,
+            pipeline_parallel_size=stages,
             enable_lora=True,
             max_loras=2,
             max_lora_rank=8,
@@ -147,16 +148,18 @@ def hf_peft_merged_greedy(base: Path, adapter: Path | None, prompts: list[list[i
     return hf_greedy(model, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize(("kv_heads", "tp", "pp"), [(2, 2, 1), (1, 2, 1), (2, 1, 2)])
 def test_two_ranks_give_the_single_rank_tokens_with_adapters(
-    setups: dict[int, dict[str, Path]], kv_heads: int
+    setups: dict[int, dict[str, Path]], kv_heads: int, tp: int, pp: int
 ) -> None:
+    """Two tensor-parallel ranks (each its part of every adapter), or two
+    pipeline stages (each its layers' adapter weights)."""
     setup = setups[kv_heads]
     runs = {}
-    for size in (1, 2):
-        engine = lora_engine(setup, size)
+    for size, stages in ((1, 1), (tp, pp)):
+        engine = lora_engine(setup, size, stages)
         try:
-            runs[size] = run_to_completion(engine, lora_requests()).records
+            runs[size * stages] = run_to_completion(engine, lora_requests()).records
         finally:
             engine.shutdown()
     hf = {
