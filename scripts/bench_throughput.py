@@ -37,6 +37,8 @@ def bench_pagoda(
     fresh: list[list[int]] | None = None,
     model: str | None = None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    pipeline_depth: int | None = None,
 ) -> dict[str, Any]:
     from pagoda import LLM, SamplingParams
 
@@ -47,7 +49,10 @@ def bench_pagoda(
         max_num_seqs=256,
         max_num_batched_tokens=4096,
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
     )
+    if pipeline_depth is not None:  # plans in flight (default: one per stage)
+        llm.client.engine.scheduler.pipeline_depth = pipeline_depth
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     # Warm up on other prompts (reversed), so that none of the measured ones
@@ -121,6 +126,13 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--model", default=None, help="Pagoda's model (default: the default)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument(
+        "--pipeline-depth",
+        type=int,
+        default=None,
+        help="plans in flight at once (default: one per pipeline stage; 1 runs the stages in turn)",
+    )
     args = parser.parse_args()
 
     prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
@@ -129,7 +141,14 @@ def main() -> None:
         fresh = make_prompts(args.num_prompts, args.input_len, 49152, args.seed + 1)
     results = [
         bench_pagoda(
-            prompts, args.output_len, args.dtype, fresh, args.model, args.tensor_parallel_size
+            prompts,
+            args.output_len,
+            args.dtype,
+            fresh,
+            args.model,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            args.pipeline_depth,
         )
     ]
     if args.hf:

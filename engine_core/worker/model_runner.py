@@ -197,8 +197,7 @@ class ModelRunner(RunnerUtilities):
             self.backend.cuda_graphs
             and not self.config.enforce_eager
             and self.lora_stacks is None
-            and self.tp.size == 1  # the all-reduces run eagerly
-            and self.stage.size == 1  # and the sends between stages
+            and self.stage.size == 1  # the sends between stages run eagerly
         ):
             self._capture_graphs(int(num_blocks))
         return int(num_blocks)
@@ -217,12 +216,21 @@ class ModelRunner(RunnerUtilities):
             -(-limit // self.block_size),
             self.device,
         )
+        captured = True
         try:
-            graphs.capture()
+            graphs.capture()  # with tensor parallelism, NCCL's all-reduces inside
         except Exception as e:  # noqa: BLE001 - any capture failure means: decode eagerly
             logger.warning("CUDA graph capture failed (%s); decoding eagerly", e)
-            return
-        self.graphs = graphs
+            captured = False
+        if self.tp.size > 1:
+            # The ranks must all replay or all run eagerly (their collectives pair up).
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(captured)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.tp.group)
+            captured = bool(flag.item())
+        if captured:
+            self.graphs = graphs
 
     def _default_kv_budget(self) -> int:
         if self.device.type == "cuda":
