@@ -24,7 +24,15 @@ def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor
         from pagoda.engine_core.executor.mp import MPExecutor
 
         return MPExecutor(config, model_config)
-    raise ValueError(f"the {backend} executor is not available yet; use uni or mp")
+    if backend == "ray":
+        try:
+            import ray  # noqa: F401 - an optional dependency
+        except ImportError as e:
+            raise ValueError("the ray executor needs Ray: pip install 'pagoda[ray]'") from e
+        from pagoda.engine_core.executor.ray import RayExecutor
+
+        return RayExecutor(config, model_config)
+    raise ValueError(f"the {backend} executor is not available yet; use uni, mp or ray")
 
 
 def device_type(config: EngineConfig) -> str:
