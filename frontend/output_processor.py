@@ -71,12 +71,14 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.output_kind = output_kind
+        # Positions are kept for logprobs and for logprob_token_ids alike.
+        wants_logprobs = params.logprobs is not None or params.logprob_token_ids is not None
         self.samples = [
             SampleState(
                 i,
                 params,
                 tokenizer.decode_stream(params.skip_special_tokens),
-                logprobs=[] if params.logprobs is not None else None,
+                logprobs=[] if wants_logprobs else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             for i in range(params.n)
@@ -157,6 +159,12 @@ class RequestState:
             if token_id in position:
                 continue  # the chosen token is also in the top-N
             position[token_id] = Logprob(value, rank, self.tokenizer.token_text(token_id))
+        if lp.requested is not None:
+            # logprob_token_ids' values; their rank is not computed.
+            requested = self.params.logprob_token_ids or []
+            for token_id, value in zip(requested, lp.requested, strict=True):
+                if token_id not in position:
+                    position[token_id] = Logprob(value, None, self.tokenizer.token_text(token_id))
         return position
 
     def finish_all(self, reason: str) -> None:

@@ -109,11 +109,15 @@ class Logprobs(msgspec.Struct, array_like=True):
 
     token_ids[0] / logprobs[0] / ranks[0] belong to the token that was chosen
     (sampled, or the prompt token); the rest are the top-N in order.
+    `requested` holds the log-probabilities of the request's
+    SamplingParams.logprob_token_ids, in that order, at a sampled position
+    (None elsewhere: one byte on the wire).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     rank: int
+    requested: list[float] | None = None
 
 
 class RequestTimings(msgspec.Struct, array_like=True):
@@ -141,6 +145,8 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
     # A pooling request's result: little-endian float32 values.
     pooled: bytes | None = None
     timings: RequestTimings | None = None  # on the last delta of a finished request
+    # On the last delta: (weight version, first, end) over the output tokens.
+    weight_versions: list[tuple[int | str, int, int]] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

@@ -11,6 +11,7 @@ import msgspec
 
 _INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 1024
 MAX_GRAMMAR_SPEC_CHARS = 64_000
 MAX_CHOICES = 256
 
@@ -93,6 +94,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Also return these tokens' full-vocabulary log-probabilities at each
+    # sampled position, whatever was sampled (generative scoring reads them).
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
@@ -176,6 +180,23 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     0 <= value <= MAX_LOGPROBS,
                     name,
                     f"{name} must be in [0, {MAX_LOGPROBS}], got {value}",
+                )
+        if self.logprob_token_ids is not None:
+            _check(
+                0 < len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS,
+                "logprob_token_ids",
+                f"logprob_token_ids needs 1 to {MAX_LOGPROB_TOKEN_IDS} token ids",
+            )
+            _check(
+                all(t >= 0 for t in self.logprob_token_ids),
+                "logprob_token_ids",
+                "logprob_token_ids must not be negative",
+            )
+            if vocab_size is not None:
+                _check(
+                    all(t < vocab_size for t in self.logprob_token_ids),
+                    "logprob_token_ids",
+                    f"logprob_token_ids must be in [0, {vocab_size})",
                 )
         if self.structured_outputs is not None:
             self.structured_outputs.validate()

@@ -1,13 +1,14 @@
 """Sampler: one pass over the batch's logits.
 
-Order: logprobs are read from the raw distribution (as vLLM does by
-default); then logit bias, min_tokens masking and penalties; then greedy
-rows take the argmax and the others are sampled after temperature, top-k,
-top-p and min-p by the compiled kernel (kernels/sampling.py), one uniform
-number a row instead of a noise tensor the size of the vocabulary. A seeded
-request draws from Philox keyed by its seed at the count of tokens it has
-sampled, so its tokens do not depend on what else is in the batch, and it
-continues where it left off after preemption.
+Order: logprobs (the top-N and any requested token ids') are read from the
+raw distribution (as vLLM does by default); then logit bias, min_tokens
+masking and penalties; then greedy rows take the argmax and the others are
+sampled after temperature, top-k, top-p and min-p by the compiled kernel
+(kernels/sampling.py), one uniform number a row instead of a noise tensor
+the size of the vocabulary. A seeded request draws from Philox keyed by its
+seed at the count of tokens it has sampled, so its tokens do not depend on
+what else is in the batch, and it continues where it left off after
+preemption.
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ class SamplingRow:
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow], history: TokenHistory | None = None
 ) -> tuple[list[int], list[Logprobs | None]]:
-    """logits: float32 [batch, vocab], changed in place → (token id per row, logprobs per row)."""
-    want_logprobs = [r.params.logprobs for r in rows]
-    lp_rows = [i for i, k in enumerate(want_logprobs) if k is not None]
-    raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+    """logits: float32 [batch, vocab], changed in place → (token id per row, logprobs per row).
+
+    A row with logprob_token_ids but no logprobs gets the chosen token's
+    logprob (as logprobs=0 would) besides the requested ones.
+    """
+    lp_rows = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.logprobs is not None or r.params.logprob_token_ids is not None
+    ]
+    raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # [n, vocab]
 
     _apply_biases(logits, rows)
     _apply_penalties(logits, rows, history)
@@ -53,8 +61,13 @@ def sample(
     results: list[Logprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
         chosen = [sampled[i] for i in lp_rows]
-        found = _gather_logprobs(raw_logprobs, chosen, [want_logprobs[i] for i in lp_rows])
-        for i, lp in zip(lp_rows, found, strict=True):
+        found = _gather_logprobs(
+            raw_logprobs, chosen, [rows[i].params.logprobs or 0 for i in lp_rows]
+        )
+        for j, (i, lp) in enumerate(zip(lp_rows, found, strict=True)):
+            requested = rows[i].params.logprob_token_ids
+            if lp is not None and requested is not None:
+                lp.requested = raw_logprobs[j, requested].tolist()
             results[i] = lp
     return sampled, results
 
