@@ -94,6 +94,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fail (503) a request still waiting for its first schedule after this long",
     )
     g.add_argument(
+        "--paused-request-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="while paused (POST /pause), how long a new request waits for resume before a 503",
+    )
+    g.add_argument(
+        "--weight-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='how trainers send weights: {"backend": "gloo" | "nccl" | "file"} '
+        "(default: gloo on CPU, nccl on CUDA)",
+    )
+    g.add_argument(
         "--sleep-offload-dir",
         default=None,
         help="where sleep level 1 spills CPU weights (default: the system temp dir)",
@@ -164,6 +178,19 @@ def _add_profiler_arg(g: argparse._ArgumentGroup) -> None:
     )
 
 
+def weight_transfer_backend(text: str | None) -> str | None:
+    """The backend of a --weight-transfer-config JSON object (None: the device's default)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--weight-transfer-config is not JSON: {e}") from None
+    if not isinstance(value, dict) or not isinstance(value.get("backend"), str):
+        raise ValueError('--weight-transfer-config must be an object like {"backend": "gloo"}')
+    return str(value["backend"])
+
+
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ns.model,
@@ -184,6 +211,8 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         max_queue_wait_s=ns.max_queue_wait,
         grammar_compile_timeout_s=ns.grammar_compile_timeout,
         sleep_offload_dir=ns.sleep_offload_dir,
+        paused_request_timeout_s=ns.paused_request_timeout,
+        weight_transfer_backend=weight_transfer_backend(ns.weight_transfer_config),
         runner=ns.runner,
         enforce_eager=ns.enforce_eager,
         enable_lora=ns.enable_lora,

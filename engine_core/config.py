@@ -40,6 +40,12 @@ class EngineConfig:
     # request (a 400): schemas built to blow up compilation get a bounded answer.
     grammar_compile_timeout_s: float = 20.0
     sleep_offload_dir: str | None = None  # level-1 sleep spills CPU weights here
+    # RL training: a request arriving while the engine is paused waits this
+    # long for resume, then fails (503).
+    paused_request_timeout_s: float = 300.0
+    # How a trainer sends new weights (vLLM's --weight-transfer-config):
+    # {"backend": "gloo" | "nccl" | "file"}; None: gloo on CPU, nccl on CUDA.
+    weight_transfer_backend: str | None = None
     # auto | generate | pooling (vLLM's --runner): "pooling" serves a decoder's
     # embeddings (last-token pooling) instead of generating.
     runner: str = "auto"
@@ -108,6 +114,13 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 1")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be at least 0")
+        if self.weight_transfer_backend not in (None, "gloo", "nccl", "file"):
+            raise ValueError(
+                "the weight transfer backend must be gloo, nccl or file, "
+                f"got {self.weight_transfer_backend!r}"
+            )
+        if self.paused_request_timeout_s <= 0:
+            raise ValueError("paused_request_timeout_s must be positive")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
             raise ValueError("max_queue_wait must be positive")
         if self.max_loras < 1:

@@ -15,6 +15,10 @@ Pooling models (engines whose Ready lists "embed") answer `encode`:
 
     async for out in engine.encode("Hello", PoolingParams(), "req-2"):
         vector = out.outputs.data                              # list[float]
+
+Attached with `skip_tokenizer_init=True` (the API server's --tokens-only) it
+loads no tokenizer: prompts must be token ids and outputs carry token ids
+only, with no text.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from pagoda.frontend.processor import Processor, PromptType
 from pagoda.frontend.tokenizer import Tokenizer
 from pagoda.protocol.messages import LoRARequest, RequestDelta
 from pagoda.protocol.pooling_params import PoolingParams
-from pagoda.protocol.sampling_params import SamplingParams
+from pagoda.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 DeltaQueue = asyncio.Queue[tuple[int, RequestDelta | None, float]]
 
@@ -49,6 +53,10 @@ def _enqueue(queue: DeltaQueue, index: int) -> Callable[[RequestDelta | None], N
 
 class EngineRequestError(ValueError):
     """The engine refused a request (its message says why)."""
+
+
+class NoTokenizerError(RuntimeError):
+    """Something needed the tokenizer of an AsyncLLM attached without one."""
 
 
 class EngineUnavailableError(RuntimeError):
@@ -68,14 +76,14 @@ class AsyncLLM:
     def __init__(
         self,
         client: AsyncMPClient | DPClient,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         engine_process: subprocess.Popen[bytes] | None = None,
         metrics: FrontendMetrics | None = None,
     ) -> None:
         assert client.ready is not None
         self.client = client
         self.ready = client.ready
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.processor = Processor(tokenizer, client.ready)
         self.model_name = client.ready.model_name
         # Adapters by model name, as this server last heard from the engine.
@@ -84,6 +92,17 @@ class AsyncLLM:
         # request id -> (engine request ids, the queue its deltas arrive on)
         self._active: dict[str, tuple[list[str], DeltaQueue]] = {}
         self.metrics = metrics
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer; NoTokenizerError when attached without one."""
+        if self._tokenizer is None:
+            raise NoTokenizerError("this server has no tokenizer (--tokens-only)")
+        return self._tokenizer
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -96,8 +115,10 @@ class AsyncLLM:
         curve_dir: str | None = None,
         log_stats: bool = False,
         served_model_name: str | None = None,
+        skip_tokenizer_init: bool = False,
     ) -> AsyncLLM:
-        """Attach to a running engine core (`curve_dir`: its CURVE keys, for tcp)."""
+        """Attach to a running engine core (`curve_dir`: its CURVE keys, for tcp);
+        `skip_tokenizer_init`: load no tokenizer (token ids in and out only)."""
         # Several comma-separated addresses: data-parallel engine cores.
         addresses = [a.strip() for a in address.split(",") if a.strip()]
         client: AsyncMPClient | DPClient
@@ -106,7 +127,9 @@ class AsyncLLM:
         else:
             client = AsyncMPClient(address, curve_dir=curve_dir)
         ready = await client.start(timeout=timeout)
-        tokenizer = await asyncio.to_thread(Tokenizer, ready.tokenizer_path, chat_template)
+        tokenizer = None
+        if not skip_tokenizer_init:
+            tokenizer = await asyncio.to_thread(Tokenizer, ready.tokenizer_path, chat_template)
         metrics = None
         if log_stats:
             metrics = FrontendMetrics.of_engine(client, served_model_name or ready.model_name)
@@ -193,9 +216,16 @@ class AsyncLLM:
         output_kind: OutputKind = "delta",
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        detokenize: bool = True,
     ) -> AsyncIterator[RequestOutput]:
+        """Generate from token ids; `detokenize=False` (or no tokenizer): outputs
+        carry token ids and no text, and stop strings are refused."""
         from pagoda.frontend.processor import ProcessedPrompt
 
+        tokenizer = self._tokenizer if detokenize else None
+        if tokenizer is None and sampling_params.stop:
+            why = "detokenize=true" if self.has_tokenizer else "a tokenizer (--tokens-only)"
+            raise SamplingParamsError("stop", f"stop strings need {why}; use stop_token_ids")
         if request_id in self._active:
             raise EngineRequestError(f"request id {request_id!r} is already in use")
         if self.client.stats.is_sleeping:
@@ -208,9 +238,7 @@ class AsyncLLM:
             priority,
             lora_request,
         )
-        state = RequestState(
-            request_id, prompt, prompt_token_ids, params, self.tokenizer, output_kind
-        )
+        state = RequestState(request_id, prompt, prompt_token_ids, params, tokenizer, output_kind)
         queue: DeltaQueue = asyncio.Queue()
         child_ids = [r.request_id for r in requests]
         started = time.monotonic()
@@ -318,6 +346,11 @@ class AsyncLLM:
             child_ids, queue = active
             await self.client.abort(child_ids)
             queue.put_nowait((-1, None, time.monotonic()))
+
+    @property
+    def active_request_ids(self) -> set[str]:
+        """The ids of the requests being generated for this process's callers now."""
+        return set(self._active)
 
     @property
     def num_active(self) -> int:

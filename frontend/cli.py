@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -72,6 +73,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "--enable-admin-api",
         action="store_true",
         help="serve POST /collective_rpc (allow-listed engine utility calls)",
+    )
+    g.add_argument(
+        "--enable-rl-api",
+        action="store_true",
+        help="serve the RL-training routes: /pause, /resume, /update_weights ... "
+        "(also when VLLM_SERVER_DEV_MODE=1)",
     )
     g.add_argument(
         "--admin-api-key",
@@ -145,6 +152,8 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         argv.append("--metrics-require-auth")
     if ns.enable_admin_api:
         argv.append("--enable-admin-api")
+    if ns.enable_rl_api:
+        argv.append("--enable-rl-api")
     if ns.admin_api_key:
         argv += ["--admin-api-key", ns.admin_api_key]
     if ns.max_inflight_requests is not None:
@@ -203,6 +212,7 @@ async def serve(ns: argparse.Namespace) -> int:
         tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
         metrics_require_auth=ns.metrics_require_auth,
         enable_admin_api=ns.enable_admin_api,
+        enable_rl_api=ns.enable_rl_api or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         admin_api_key=ns.admin_api_key,
         max_inflight_requests=ns.max_inflight_requests,
     )

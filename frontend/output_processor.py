@@ -6,13 +6,15 @@ boundaries and holds back any tail that could still become one, so a stop
 string never leaks into a stream. When a stop string matches, the caller
 aborts the engine request. A request with n > 1 is fanned out into n engine
 requests (one per sample) that this class folds back into one output.
+Without a tokenizer (token ids in and out) nothing is detokenized: outputs
+carry token ids, no text, and logprobs no decoded tokens.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pagoda.frontend.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagoda.frontend.tokenizer import Tokenizer
@@ -51,6 +53,7 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     finish_sent: bool = False
+    weight_versions: list[dict[str, Any]] | None = None
 
 
 class RequestState:
@@ -62,7 +65,7 @@ class RequestState:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         output_kind: OutputKind,
     ) -> None:
         self.request_id = request_id
@@ -77,7 +80,7 @@ class RequestState:
             SampleState(
                 i,
                 params,
-                tokenizer.decode_stream(params.skip_special_tokens),
+                None if tokenizer is None else tokenizer.decode_stream(params.skip_special_tokens),
                 logprobs=[] if wants_logprobs else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
@@ -123,6 +126,8 @@ class RequestState:
                 if sample.cumulative_logprob is not None:
                     sample.cumulative_logprob += lp.logprobs[0]
             is_last = i == len(delta.new_token_ids) - 1
+            if self.tokenizer is None:
+                continue  # token ids only
             if is_last and stop_terminated and not self.params.include_stop_str_in_output:
                 continue  # EOS / stop token: its text is not part of the output
             piece = sample.decoder.step(self.tokenizer.backend, token_id)  # type: ignore[attr-defined]
@@ -134,6 +139,11 @@ class RequestState:
         if delta.finish_reason is not None:
             sample.finish_reason = "stop" if delta.finish_reason == "stop" else delta.finish_reason
             sample.stop_reason = delta.stop_reason
+            if delta.weight_versions:
+                sample.weight_versions = [
+                    {"version": v, "start": start, "end": end}
+                    for v, start, end in delta.weight_versions
+                ]
         return False
 
     def _check_stop_strings(self, sample: SampleState, previous_len: int) -> bool:
@@ -158,14 +168,17 @@ class RequestState:
             rank = lp.rank if j == 0 else j
             if token_id in position:
                 continue  # the chosen token is also in the top-N
-            position[token_id] = Logprob(value, rank, self.tokenizer.token_text(token_id))
+            position[token_id] = Logprob(value, rank, self._token_text(token_id))
         if lp.requested is not None:
             # logprob_token_ids' values; their rank is not computed.
             requested = self.params.logprob_token_ids or []
             for token_id, value in zip(requested, lp.requested, strict=True):
                 if token_id not in position:
-                    position[token_id] = Logprob(value, None, self.tokenizer.token_text(token_id))
+                    position[token_id] = Logprob(value, None, self._token_text(token_id))
         return position
+
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.token_text(token_id)
 
     def finish_all(self, reason: str) -> None:
         for sample in self.samples:
@@ -220,6 +233,7 @@ class RequestState:
                         logprobs,
                         sample.finish_reason,
                         sample.stop_reason,
+                        sample.weight_versions if sample.finish_reason else None,
                     )
                 )
             else:
@@ -233,6 +247,7 @@ class RequestState:
                         list(sample.logprobs) if sample.logprobs is not None else None,
                         sample.finish_reason,
                         sample.stop_reason,
+                        sample.weight_versions if sample.finish_reason else None,
                     )
                 )
         if not any_new:

@@ -7,6 +7,7 @@ Logprobs follow vLLM: one dict per position mapping token id → Logprob
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -36,6 +37,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # stop token id or stop string
+    # On a finished sample: which weights made which output tokens,
+    # [{"version", "start", "end"}] (end exclusive), after weight updates.
+    weight_versions: list[dict[str, Any]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

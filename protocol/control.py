@@ -110,6 +110,24 @@ _CALLS = (
     ControlCall("remove_lora", (Param("lora_name", str, required=True),)),
     ControlCall("pin_lora", (Param("lora_name", str, required=True),)),
     ControlCall("list_loras"),
+    # RL training (engine_core/core/training.py).
+    ControlCall("pause", (Param("mode", str), Param("clear_cache", bool))),
+    ControlCall("resume"),
+    ControlCall("is_paused"),
+    ControlCall("pause_state", combine="sum"),
+    ControlCall(
+        "init_weight_transfer_engine",
+        (Param("init_info", dict[str, object], required=True),),
+        timeout_s=600.0,
+    ),
+    ControlCall(
+        "update_weights", (Param("update_info", dict[str, object], required=True),), timeout_s=900.0
+    ),
+    ControlCall("start_weight_update"),
+    ControlCall("finish_weight_update", (Param("weight_version", int | str | None),)),
+    ControlCall("weight_info"),
+    ControlCall("get_world_size"),
+    ControlCall("weight_checker", (Param("action", str),), timeout_s=300.0),
     ControlCall("ping", admin_rpc=True, timeout_s=2.0, on_server=True),
     ControlCall("echo", variadic=True, admin_rpc=True, on_server=True),
 )

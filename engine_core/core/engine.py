@@ -21,6 +21,7 @@ from pagoda.engine_core.core.lora_manager import LoRAManager, WorkerLoRA
 from pagoda.engine_core.core.plan import GrammarBitmask, SchedulePlan, StepResult
 from pagoda.engine_core.core.request import Request
 from pagoda.engine_core.core.scheduler import Scheduler
+from pagoda.engine_core.core.training import TrainingControls
 from pagoda.engine_core.executor import create_executor, device_type
 from pagoda.engine_core.model_config import (
     DEFAULT_MODEL_NAME,
@@ -61,7 +62,7 @@ class EngineInfo:
     supported_tasks: tuple[str, ...] = ("generate",)
 
 
-class EngineCore(EngineUtilities):
+class EngineCore(EngineUtilities, TrainingControls):
     """One engine: add requests, step, read deltas; control calls in EngineUtilities."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -98,6 +99,7 @@ class EngineCore(EngineUtilities):
         # Plans submitted to the executor whose results are not back yet (more
         # than one only with pipeline stages to keep busy).
         self._in_flight: deque[SchedulePlan] = deque()
+        self._init_training(device_type(config))
         name = config.served_model_name or (
             DEFAULT_MODEL_NAME if config.model is None else config.model
         )
@@ -222,6 +224,7 @@ class EngineCore(EngineUtilities):
         if constraint is not None and msg.pooling_params is None:
             request.grammar = self.structured_output.compile_async(constraint)
             self._compiling[request.request_id] = request
+        self._hold(request)
         self.scheduler.add_request(request)
         return None
 
@@ -287,6 +290,9 @@ class EngineCore(EngineUtilities):
         return len(ids)
 
     def has_work(self) -> bool:
+        paused = self._has_paused_work()
+        if paused is not None:
+            return paused
         return self.scheduler.has_work() or bool(self._in_flight)
 
     # ------------------------------------------------------------------- step
@@ -298,7 +304,7 @@ class EngineCore(EngineUtilities):
         as there are stages (or nothing more can be scheduled), then the
         oldest one's result is taken: one update per call either way.
         """
-        failed = self._reap_grammars() + self._expire_queued()
+        failed = self._paused_outputs() + self._reap_grammars() + self._expire_queued()
         while len(self._in_flight) < self.scheduler.pipeline_depth:
             plan = self.scheduler.schedule()
             if plan.is_empty and not plan.finished_request_ids:
@@ -314,7 +320,9 @@ class EngineCore(EngineUtilities):
         plan = self._in_flight.popleft()
         result = self.executor.collect()
         ended = self._advance_grammars(plan, result)
-        return failed + self.scheduler.update(plan, result, ended)
+        deltas = self.scheduler.update(plan, result, ended)
+        self._stamp_versions(deltas)
+        return failed + deltas
 
     def _grammar_bitmask(self, plan: SchedulePlan) -> GrammarBitmask | None:
         """The allowed next tokens of the constrained requests that sample in this step."""

@@ -75,6 +75,20 @@ class Request:
         # Its xgrammar GrammarMatcher once scheduled, advanced token by token
         # by the engine core (it survives preemption: nothing to replay).
         self.matcher: Any = None
+        # Arrived while the engine was paused: not scheduled until resume.
+        self.held = False
+        self.held_at = 0.0
+        # (weight version, first, end) over its output tokens, end exclusive.
+        self.weight_versions: list[tuple[int | str, int, int]] = []
+
+    def note_weight_version(self, version: int | str, num_new: int) -> None:
+        """Its last `num_new` output tokens came from weights `version`."""
+        end = self.num_output_tokens
+        ranges = self.weight_versions
+        if ranges and ranges[-1][0] == version and ranges[-1][2] == end - num_new:
+            ranges[-1] = (version, ranges[-1][1], end)
+        else:
+            ranges.append((version, end - num_new, end))
 
     @property
     def is_ready(self) -> bool:

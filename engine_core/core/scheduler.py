@@ -65,6 +65,8 @@ class Scheduler:
         # Requests in plans whose results are not back yet (pipeline_depth > 1),
         # as scheduled: one aborted and replaced under its id is another object.
         self.in_flight: dict[str, Request] = {}
+        # Paused in "keep" mode: nothing is scheduled; requests keep their blocks.
+        self.frozen = False
         self._finished_since_last_plan: list[str] = []
         self.num_preemptions = 0
 
@@ -113,7 +115,7 @@ class Scheduler:
 
         # 1. Running requests first, in order; preempt from the back if short.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and not self.frozen:
             request = self.running[i]
             if request.request_id in in_flight or len(num_scheduled) >= share:
                 i += 1
@@ -153,14 +155,17 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, unless this step had to preempt.
-        while self.waiting and not preempted_now and budget > 0:
+        while self.waiting and not preempted_now and budget > 0 and not self.frozen:
             if len(self.running) >= self.max_num_seqs or len(num_scheduled) >= share:
                 break
             ready = next(
                 (
                     r
                     for r in self.waiting
-                    if r.is_ready and self._lora_fits(r) and r.request_id not in in_flight
+                    if r.is_ready
+                    and not r.held
+                    and self._lora_fits(r)
+                    and r.request_id not in in_flight
                 ),
                 None,
             )

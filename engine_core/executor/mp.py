@@ -253,7 +253,8 @@ class MPExecutor(Executor):
             message = f"{error['message']}"
             if what == "start":
                 raise ExecutorError(f"worker rank {rank} could not start: {message}")
-            exc = ValueError(message) if error["type"] in _CALLER_ERRORS else RuntimeError(message)
+            caller = error.get("caller") or error["type"] in _CALLER_ERRORS
+            exc = ValueError(message) if caller else RuntimeError(message)
             if error.get("kind"):
                 exc.kind = error["kind"]  # type: ignore[union-attr]
             raise exc
@@ -261,16 +262,9 @@ class MPExecutor(Executor):
         return [got[rank][1] for rank in range(self.world_size)]
 
 
-# Exceptions that say the call itself was wrong (bad adapter path, bad
-# arguments); the engine reports them to the caller and goes on.
-_CALLER_ERRORS = {
-    "ValueError",
-    "TypeError",
-    "LoRAError",
-    "LoRALoadError",
-    "KeyError",
-    "FileNotFoundError",
-}
+# Exceptions that say the call itself was wrong, by name, for replies that
+# do not carry the worker's own "caller" mark.
+_CALLER_ERRORS = {"ValueError", "TypeError", "KeyError", "FileNotFoundError"}
 
 
 def _return_type(method: str) -> Any:

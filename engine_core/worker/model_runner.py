@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ from pagoda.engine_core.worker.sampler import (
 )
 from pagoda.engine_core.worker.sleep import ParkedWeights, release_freed_memory, reuse_freed_memory
 from pagoda.engine_core.worker.token_history import TokenHistory
+from pagoda.engine_core.worker.weight_transfer import WeightTransfer
 from pagoda.kernels.cpu_ops import cpu_has_native, load_cpu_ops
 from pagoda.kernels.linear import int4_available, pairs_available
 from pagoda.kernels.lora import lora_groups
@@ -102,6 +104,12 @@ class ModelRunner(RunnerUtilities):
         self.model_config = model_config
         self.tp = tp or TensorParallel()
         self.stage = stage or PipelineStage(layers=range(model_config.num_layers))
+        # Weights sent by a trainer (whole tensors, checkpoint names), and every
+        # checkpoint tensor's shape: the model is rebuilt from the checkpoint
+        # with these in place (worker/weight_transfer.py).
+        self.weight_overrides: dict[str, torch.Tensor] = {}
+        self.weight_shapes: dict[str, tuple[int, ...]] = {}
+        self.weight_transfer: WeightTransfer | None = None
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Unseeded requests are keyed from torch's global generator (--seed).
@@ -136,6 +144,8 @@ class ModelRunner(RunnerUtilities):
             )
 
     def _load_model(self) -> LlamaModel:
+        """The model from its checkpoint, with the weights a trainer sent in its place."""
+        overrides = self.weight_overrides
         int4 = None
         if self.config.quantization == "gguf" and self.device.type == "cpu" and int4_available():
             int4 = load_int4_weights(self.model_config)
@@ -155,8 +165,22 @@ class ModelRunner(RunnerUtilities):
         model: LlamaModel = model_class(self.model_config.architecture)(
             self.model_config, self.dtype, self.device, self.backend, self.tp, self.stage
         )
-        model.load_weights(weight_pairs(self.model_config), int4, blocks)
+        if overrides:
+            # The file's quantized forms of replaced tensors are stale.
+            int4 = {k: v for k, v in (int4 or {}).items() if k not in overrides} or None
+            blocks = {k: v for k, v in (blocks or {}).items() if k not in overrides} or None
+        model.load_weights(self._weight_pairs(), int4, blocks)
         return model
+
+    def _weight_pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) pairs, replaced ones as sent; the
+        first time, every tensor's shape is noted (what an update must match)."""
+        overrides = self.weight_overrides
+        note = not self.weight_shapes
+        for name, tensor in weight_pairs(self.model_config):
+            if note:
+                self.weight_shapes[name] = tuple(tensor.shape)
+            yield name, overrides.get(name, tensor)
 
     # ------------------------------------------------------------- KV cache
 

@@ -72,8 +72,16 @@ def replies_address(channel: str) -> str:
 
 
 def error_payload(e: BaseException) -> bytes:
+    """An exception as the engine re-raises it: "caller" marks the caller's
+    mistakes (ValueError and the like), which the engine reports and survives."""
+    caller = isinstance(e, ValueError | TypeError | KeyError | FileNotFoundError)
     return msgspec.msgpack.encode(
-        {"type": type(e).__name__, "message": str(e), "kind": getattr(e, "kind", "")}
+        {
+            "type": type(e).__name__,
+            "message": str(e),
+            "kind": getattr(e, "kind", ""),
+            "caller": caller,
+        }
     )
 
 

@@ -9,7 +9,7 @@ ModelRunner builds.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,14 @@ from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.lora import LoRAAdapter, LoRAStacks, load_adapter
 from pagoda.engine_core.worker.sleep import ParkedWeights, release_freed_memory
+from pagoda.engine_core.worker.weight_transfer import (
+    WeightTransfer,
+    WeightUpdateError,
+    check_against_model,
+    check_update_info,
+    checksum,
+    read_safetensors,
+)
 
 if TYPE_CHECKING:
     from pagoda.engine_core.models.llama import LlamaModel
@@ -38,9 +46,80 @@ class RunnerUtilities:
     lora_adapters: dict[str, LoRAAdapter]
     lora_stacks: LoRAStacks | None
 
+    # Weight updates (ModelRunner.__init__ documents them).
+    weight_overrides: dict[str, torch.Tensor]
+    weight_shapes: dict[str, tuple[int, ...]]
+    weight_transfer: WeightTransfer | None
+    num_kv_blocks: int
+    graphs: Any
+
     if TYPE_CHECKING:
 
         def _load_model(self) -> LlamaModel: ...
+
+        def _capture_graphs(self, num_blocks: int) -> None: ...
+
+    # ------------------------------------------------------- weight updates
+
+    def init_weight_transfer(self, backend: str, init_info: dict[str, Any], rank: int) -> None:
+        """Join the trainer's group as rank_offset + `rank` (blocks until it joins too)."""
+        if backend == "file":
+            raise WeightUpdateError(
+                "the file backend needs no group: POST /update_weights with update_info.path"
+            )
+        self.weight_transfer = WeightTransfer(backend, init_info, rank, self.device)
+
+    def receive_weights(self, update_info: dict[str, Any]) -> int:
+        """Take the tensors the trainer broadcasts, then load them; returns how many."""
+        names, dtype_names, shapes = check_update_info(update_info)
+        if self.weight_transfer is None:
+            raise WeightUpdateError(
+                "no weight transfer group: POST /init_weight_transfer_engine first"
+            )
+        # Every tensor is taken off the wire before any is checked, so that a
+        # refused update leaves the trainer's broadcasts matched, not hanging.
+        pairs = self.weight_transfer.receive(names, dtype_names, shapes)
+        return self._apply_weights(pairs)
+
+    def load_weights_from_file(self, path: str, names: list[str] | None) -> int:
+        """The `file` backend: tensors from a safetensors file or directory."""
+        return self._apply_weights(read_safetensors(path, names))
+
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of every tensor the serving weights were built from, by name:
+        as the trainer sent it where it was replaced, else as the checkpoint has it."""
+        from pagoda.engine_core.loaders.checkpoint import weight_pairs
+
+        sums = {}
+        for name, tensor in weight_pairs(self.model_config):
+            sums[name] = checksum(self.weight_overrides.get(name, tensor))
+        return sums
+
+    def _apply_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
+        """Check every tensor against the model, then rebuild it with them in
+        place; the old model serves until the new one is whole."""
+        tied = self.model_config.tie_word_embeddings
+        check_against_model(pairs, self.weight_shapes, tied)
+        previous = self.weight_overrides
+        self.weight_overrides = {**previous, **dict(pairs)}
+        if self._parked is not None:  # asleep at level 1: the parked copy is stale
+            self._parked.discard()
+            self._parked = None
+            self.model = None  # type: ignore[assignment]
+        if self.model is None:
+            return len(pairs)  # asleep: wake-up builds the model with them
+        try:
+            model = self._load_model()
+        except Exception:
+            self.weight_overrides = previous
+            raise
+        self.model = model
+        if self.graphs is not None:  # captured around the old weights
+            self.graphs = None
+            self._capture_graphs(self.num_kv_blocks)
+        release_freed_memory(self.device)
+        logger.info("loaded %d updated tensors", len(pairs))
+        return len(pairs)
 
     # ----------------------------------------------------------- sleep mode
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import msgspec
 import torch
@@ -148,6 +149,20 @@ class Worker:
 
     def load_lora(self, slot: int, name: str) -> None:
         self._decoder("LoRA adapters").load_lora(slot, name)
+
+    def init_weight_transfer(self, backend: str, init_info: dict[str, Any]) -> None:
+        """Join the trainer's torch.distributed group for weight updates."""
+        self._decoder("weight updates").init_weight_transfer(backend, init_info, self.rank)
+
+    def receive_weights(self, update_info: dict[str, Any]) -> int:
+        """Receive the trainer's broadcast tensors and load them; returns how many."""
+        return self._decoder("weight updates").receive_weights(update_info)
+
+    def load_weights_from_file(self, path: str, names: list[str] | None) -> int:
+        return self._decoder("weight updates").load_weights_from_file(path, names)
+
+    def weight_checksums(self) -> dict[str, str]:
+        return self._decoder("weight updates").weight_checksums()
 
     def start_profile(self) -> None:
         """Start a torch.profiler trace of this rank's steps."""

@@ -5,7 +5,8 @@ router per route family (each `serving_*.py` module has its `build_router`).
 Which families it includes follows the tasks the engine's Ready lists:
 the generation routes for "generate", the pooling routes for "embed"; the
 routes of a task the model lacks answer 400 naming its tasks
-(`serving_refusals.py`).
+(`serving_refusals.py`). With --tokens-only (no tokenizer) it includes the
+token routes and those that need no tokenizer only.
 
 Middlewares, outermost first; each is plain ASGI and covers HTTP and
 WebSocket scopes (see `middleware.py` for how a WebSocket handshake is
@@ -44,8 +45,12 @@ from pagoda.frontend.api.serving_pooling import PoolingServer
 from pagoda.frontend.api.serving_pooling import build_router as build_pooling_router
 from pagoda.frontend.api.serving_refusals import build_router as build_refusals_router
 from pagoda.frontend.api.serving_responses import build_router as build_responses_router
+from pagoda.frontend.api.serving_rl import build_router as build_rl_router
 from pagoda.frontend.api.serving_sagemaker import build_router as build_sagemaker_router
+from pagoda.frontend.api.serving_scoring import build_router as build_scoring_router
 from pagoda.frontend.api.serving_tokenize import build_router as build_tokenize_router
+from pagoda.frontend.api.serving_tokens import TokensServer
+from pagoda.frontend.api.serving_tokens import build_router as build_tokens_router
 from pagoda.frontend.async_llm import AsyncLLM
 
 # Paths that answer while the server drains: monitoring sees the shutdown through.
@@ -69,11 +74,14 @@ class FrontendConfig:
     # Set only with --enable-auto-tool-choice: tool_choice "auto" is refused without it.
     tool_call_parser: str | None = None
     enable_admin_api: bool = False  # POST /collective_rpc
+    enable_rl_api: bool = False  # /pause, /update_weights ... (serving_rl.py)
     admin_api_key: str | None = None
     # Generation requests in flight in this API server beyond which new ones get 503.
     max_inflight_requests: int | None = None
     # /metrics is open (scrapers rarely carry keys) unless this is set.
     metrics_require_auth: bool = False
+    # No tokenizer: the /inference/v1 token routes only (serving_tokens.py).
+    tokens_only: bool = False
 
 
 def build_app(
@@ -121,22 +129,35 @@ def _routers(
     """The route families this engine's tasks call for, in the order they match."""
     served = [config.served_model_name or engine.model_name]
     tasks = list(engine.ready.supported_tasks)
+    tokens = build_tokens_router(TokensServer(engine, served, config.tokens_only), in_flight)
+    if config.tokens_only:
+        # The routes that need no tokenizer.
+        return [
+            build_models_router(engine, served),
+            build_metrics_router(in_flight, engine.metrics),
+            build_admin_router(engine, config.enable_admin_api),
+            *([build_lora_router(engine, served)] if engine.ready.enable_lora else []),
+            tokens,
+        ]
     chat = ChatServer(engine, served, config.tool_call_parser)
     completions = CompletionServer(engine, served)
     pooling = PoolingServer(engine, served) if "embed" in tasks else None
     routers = [
         build_models_router(engine, served),
-        build_tokenize_router(engine, served, chat),
+        build_tokenize_router(engine, served, chat, completions),
         build_sagemaker_router(served[0], tasks, chat, completions, pooling, in_flight),
         build_metrics_router(in_flight, engine.metrics),
         build_admin_router(engine, config.enable_admin_api),
+        *([build_rl_router(engine)] if config.enable_rl_api else []),
         build_refusals_router(served[0], tasks),
     ]
     if engine.ready.enable_lora:
         routers.append(build_lora_router(engine, served))
     if "generate" in tasks:
         routers.append(build_generation_router(chat, completions, in_flight))
+        routers.append(tokens)
         routers.append(build_anthropic_router(engine, served, chat, in_flight.counted))
+        routers.append(build_scoring_router(engine, served, in_flight.counted))
         routers.append(
             build_responses_router(engine, served, chat, in_flight.counted, tool_servers)
         )

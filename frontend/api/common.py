@@ -236,3 +236,10 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def with_weight_versions(output: Any) -> dict[str, Any]:
+    """A finished choice's `weight_versions` field, when weight updates made it
+    matter (after POST /update_weights); nothing otherwise."""
+    versions = getattr(output, "weight_versions", None)
+    return {"weight_versions": versions} if versions else {}

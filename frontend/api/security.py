@@ -19,6 +19,7 @@ from starlette.requests import HTTPConnection
 from pagoda.frontend.api.body_guard import ASGIApp, Receive, Scope, Send
 from pagoda.frontend.api.errors import APIError
 from pagoda.frontend.api.middleware import POLICY_VIOLATION, refuse
+from pagoda.frontend.api.serving_rl import RL_PATHS
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 # Engine-control routes: when --admin-api-key is set they need it (and not --api-key).
@@ -42,7 +43,7 @@ ADMIN_PATHS = frozenset(
 
 def is_admin_path(path: str) -> bool:
     """Whether `path` is an admin route (the admin key guards it when one is set)."""
-    return path in ADMIN_PATHS or path.startswith("/v1/loras")
+    return path in ADMIN_PATHS or path in RL_PATHS or path.startswith("/v1/loras")
 
 
 def request_token(request: HTTPConnection) -> bytes:

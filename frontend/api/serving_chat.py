@@ -21,6 +21,7 @@ from pagoda.frontend.api.common import (
     sse_with_errors,
     unless_disconnected,
     usage,
+    with_weight_versions,
 )
 from pagoda.frontend.api.errors import APIError
 from pagoda.frontend.api.openai_models import ChatCompletionRequest
@@ -174,6 +175,7 @@ class ChatServer:
                     "logprobs": logprobs,
                     "finish_reason": finish,
                     "stop_reason": out.stop_reason,
+                    **with_weight_versions(out),
                 }
             )
         num_completion = sum(len(o.token_ids) for o in outputs)
@@ -253,6 +255,7 @@ class ChatServer:
                             "logprobs": logprobs,
                             "finish_reason": tool_stream.finish_reason(o.finish_reason),
                             "stop_reason": o.stop_reason,
+                            **with_weight_versions(o),
                         }
                     ]
                 )

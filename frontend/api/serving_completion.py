@@ -21,6 +21,7 @@ from pagoda.frontend.api.common import (
     sse_with_errors,
     unless_disconnected,
     usage,
+    with_weight_versions,
 )
 from pagoda.frontend.api.errors import APIError
 from pagoda.frontend.api.openai_models import CompletionRequest
@@ -91,21 +92,7 @@ class CompletionServer:
     async def create(self, req: CompletionRequest, raw: Request) -> Any:
         await refresh_loras(self.engine, self.served_names, req.model)
         model = check_model(self.engine, self.served_names, req.model)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of other than n is not supported", "best_of")
-        if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
-            raise APIError(400, f"logprobs must be at most {MAX_LOGPROBS}", "logprobs")
-        params = sampling_params_from(req, req.max_tokens, req.logprobs)
-        if req.echo and req.logprobs is not None:
-            import msgspec
-
-            params = msgspec.structs.replace(params, prompt_logprobs=req.logprobs)
-        processor = self.engine.processor
-        prompts = [processor.process_prompt(p, req.add_special_tokens) for p in _prompts(req)]
-        for prompt in prompts:  # validate all before starting any
-            processor.make_requests("check", prompt, params)
+        params, prompts = self.prepare(req)
         request_id = new_id("cmpl")
         created = now()
         streams = [
@@ -134,6 +121,25 @@ class CompletionServer:
         return JSONResponse(
             self._response(req, params, prompts, finals, prompt_lps, request_id, created, model)
         )
+
+    def prepare(self, req: CompletionRequest) -> tuple[SamplingParams, list[ProcessedPrompt]]:
+        """Checked sampling params and the processed prompts, every one validated."""
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of other than n is not supported", "best_of")
+        if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be at most {MAX_LOGPROBS}", "logprobs")
+        params = sampling_params_from(req, req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            import msgspec
+
+            params = msgspec.structs.replace(params, prompt_logprobs=req.logprobs)
+        processor = self.engine.processor
+        prompts = [processor.process_prompt(p, req.add_special_tokens) for p in _prompts(req)]
+        for prompt in prompts:  # validate all before starting any
+            processor.make_requests("check", prompt, params, req.priority)
+        return params, prompts
 
     async def _collect(
         self, streams: list[AsyncIterator[RequestOutput]], num_prompts: int, n: int
@@ -189,6 +195,7 @@ class CompletionServer:
                         "logprobs": logprobs,
                         "finish_reason": out.finish_reason,
                         "stop_reason": out.stop_reason,
+                        **with_weight_versions(out),
                     }
                 )
         num_prompt = sum(len(p.prompt_token_ids) for p in prompts)
@@ -249,6 +256,7 @@ class CompletionServer:
                             "logprobs": logprobs,
                             "finish_reason": o.finish_reason,
                             "stop_reason": o.stop_reason,
+                            **with_weight_versions(o),
                         }
                     ],
                 }

@@ -1,0 +1,184 @@
+"""New weights from a trainer: over a torch.distributed group of its own, or from files.
+
+The trainer is rank 0 of a group it creates without touching any default
+process group (a `TCPStore` at master_address:master_port as its master,
+then `ProcessGroupGloo(store, 0, world_size)`, or NCCL on GPUs); engine
+rank r joins as `rank_offset + r`. For each update the trainer broadcasts
+the tensors one by one in `names` order and every rank receives every
+tensor: each keeps what it holds (its tensor-parallel shard, its pipeline
+stage's layers) when the model is rebuilt from them.
+
+The `file` backend reads the tensors from a safetensors file or directory
+on this host instead. Either way nothing is loaded until every tensor has
+arrived and matches the model (its name, its shape, a floating dtype): a
+bad update is refused whole, naming the tensor, and the serving weights
+stay as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+# How long a rank waits for the trainer to join or to send.
+TRANSFER_TIMEOUT_S = float(os.environ.get("PAGODA_WEIGHT_TRANSFER_TIMEOUT", "300"))
+BACKENDS = ("gloo", "nccl", "file")
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class WeightUpdateError(ValueError):
+    """An update refused before anything was loaded (the caller's mistake)."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = _DTYPES.get(name.removeprefix("torch."))
+    if dtype is None:
+        raise WeightUpdateError(f"dtype {name!r} is not one of {sorted(set(_DTYPES))}")
+    return dtype
+
+
+class WeightTransfer:
+    """This rank's membership of the trainer's group."""
+
+    def __init__(self, backend: str, init_info: dict[str, Any], rank: int, device: torch.device):
+        import torch.distributed as dist
+
+        try:
+            host = str(init_info["master_address"])
+            port = int(init_info["master_port"])
+            offset = int(init_info.get("rank_offset", 1))
+            world_size = int(init_info["world_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightUpdateError(
+                f"init_info needs master_address, master_port, world_size (and rank_offset): {e}"
+            ) from None
+        if not 0 < offset + rank < world_size:
+            raise WeightUpdateError(
+                f"engine rank {rank} at rank_offset {offset} is outside the trainer's "
+                f"world of {world_size} (rank 0 is the trainer)"
+            )
+        timeout = timedelta(seconds=TRANSFER_TIMEOUT_S)
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        self.rank = offset + rank
+        self.world_size = world_size
+        self.device = device
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            self.group: Any = dist.ProcessGroupNCCL(store, self.rank, world_size, options)
+        else:
+            self.group = dist.ProcessGroupGloo(store, self.rank, world_size, timeout)
+        self.backend = backend
+
+    def receive(
+        self, names: list[str], dtype_names: list[str], shapes: list[list[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the trainer broadcasts, in order, on the CPU."""
+        import torch.distributed as dist
+
+        received = []
+        on = self.device if self.backend == "nccl" else torch.device("cpu")
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
+            tensor = torch.empty(tuple(shape), dtype=parse_dtype(dtype_name), device=on)
+            self.group.broadcast([tensor], options).wait()
+            received.append((name, tensor.cpu()))
+        return received
+
+
+def check_update_info(update_info: dict[str, Any]) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtype_names, shapes) of a wire update, checked for form."""
+    names = update_info.get("names")
+    dtype_names = update_info.get("dtype_names")
+    shapes = update_info.get("shapes")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not names:
+        raise WeightUpdateError("update_info.names must be a non-empty list of tensor names")
+    if not isinstance(dtype_names, list) or len(dtype_names) != len(names):
+        raise WeightUpdateError("update_info.dtype_names must give one dtype per name")
+    if not isinstance(shapes, list) or len(shapes) != len(names):
+        raise WeightUpdateError("update_info.shapes must give one shape per name")
+    for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
+        if not isinstance(dtype_name, str):
+            raise WeightUpdateError(f"{name}: dtype must be a string")
+        parse_dtype(dtype_name)
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise WeightUpdateError(f"{name}: shape must be a list of sizes")
+    if len(set(names)) != len(names):
+        raise WeightUpdateError("update_info.names lists a tensor twice")
+    if update_info.get("packed"):
+        raise WeightUpdateError("packed transfers are not supported: send packed=false")
+    return names, dtype_names, shapes
+
+
+def read_safetensors(path: str, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors file, or of every *.safetensors in a directory."""
+    from safetensors.torch import load_file
+
+    if os.path.isdir(path):
+        files = sorted(
+            os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")
+        )
+        if not files:
+            raise WeightUpdateError(f"{path} holds no .safetensors files")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise WeightUpdateError(f"{path} is not a file or directory on the engine's host")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file))
+        except Exception as e:  # noqa: BLE001 - a bad file is the caller's
+            raise WeightUpdateError(f"{file}: not a readable safetensors file: {e}") from None
+    if names is not None:
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise WeightUpdateError(f"{path} has no tensor {missing[0]}")
+        return [(n, tensors[n]) for n in names]
+    return list(tensors.items())
+
+
+def check_against_model(
+    pairs: Iterable[tuple[str, torch.Tensor]],
+    shapes: dict[str, tuple[int, ...]],
+    tied_head: bool,
+) -> None:
+    """WeightUpdateError naming the first tensor the model does not have as sent."""
+    count = 0
+    for name, tensor in pairs:
+        count += 1
+        if name not in shapes:
+            if tied_head and name == "lm_head.weight":
+                raise WeightUpdateError(
+                    "lm_head.weight: this model ties its LM head to the embedding; "
+                    "send model.embed_tokens.weight"
+                )
+            raise WeightUpdateError(f"{name}: the model has no such tensor")
+        if tuple(tensor.shape) != shapes[name]:
+            raise WeightUpdateError(
+                f"{name}: shape {list(tensor.shape)} does not match the model's "
+                f"{list(shapes[name])}"
+            )
+        if not tensor.is_floating_point():
+            raise WeightUpdateError(f"{name}: dtype {tensor.dtype} is not a floating type")
+    if count == 0:
+        raise WeightUpdateError("the update holds no tensors")
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """sha256 of the tensor's bytes, as laid out contiguously in its own dtype."""
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
