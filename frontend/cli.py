@@ -86,6 +86,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="key for /collective_rpc, /sleep, /wake_up, profiling, cache reset (not --api-key)",
     )
     g.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="load no tokenizer and serve token ids only: POST /inference/v1/generate and "
+        "/inference/v1/abort_requests (with health, models, metrics, control routes)",
+    )
+    g.add_argument(
         "--max-inflight-requests",
         type=int,
         default=None,
@@ -156,6 +162,8 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         argv.append("--enable-rl-api")
     if ns.admin_api_key:
         argv += ["--admin-api-key", ns.admin_api_key]
+    if ns.tokens_only:
+        argv.append("--tokens-only")
     if ns.max_inflight_requests is not None:
         argv += ["--max-inflight-requests", str(ns.max_inflight_requests)]
     argv += ["--http-header-timeout", str(ns.http_header_timeout)]
@@ -215,6 +223,7 @@ async def serve(ns: argparse.Namespace) -> int:
         enable_rl_api=ns.enable_rl_api or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         admin_api_key=ns.admin_api_key,
         max_inflight_requests=ns.max_inflight_requests,
+        tokens_only=ns.tokens_only,
     )
     if ns.enable_admin_api and not ns.admin_api_key:
         log.warning("--enable-admin-api without --admin-api-key: /collective_rpc is open")
@@ -227,6 +236,7 @@ async def serve(ns: argparse.Namespace) -> int:
             curve_dir=ns.curve_keys,
             log_stats=True,
             served_model_name=ns.served_model_name,
+            skip_tokenizer_init=ns.tokens_only,
         )
     except EngineDeadError as e:
         log.error("%s", e)

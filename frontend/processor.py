@@ -3,7 +3,8 @@
 Turns a prompt (text, token ids, or vLLM's prompt dicts) and SamplingParams
 into validated engine requests: tokenizes, checks lengths against the
 engine's max_model_len, and fans a request with n samples out into n engine
-requests.
+requests. Without a tokenizer (an API server's --tokens-only) only token id
+prompts are taken.
 """
 
 from __future__ import annotations
@@ -44,12 +45,20 @@ def check_priority(priority: int) -> None:
 class Processor:
     """Tokenizes and validates requests for one engine's model."""
 
-    def __init__(self, tokenizer: Tokenizer, ready: Ready) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, ready: Ready) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.supported_tasks = list(ready.supported_tasks)
         self.model_name = ready.model_name
+
+    def _text_tokenizer(self) -> Tokenizer:
+        """The tokenizer, for a text prompt; a client error when there is none."""
+        if self.tokenizer is None:
+            raise SamplingParamsError(
+                "prompt", "this server has no tokenizer (--tokens-only): send token ids"
+            )
+        return self.tokenizer
 
     def check_task(self, task: str) -> None:
         if task not in self.supported_tasks:
@@ -78,7 +87,8 @@ class Processor:
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
             text = prompt.get("prompt") if isinstance(prompt.get("prompt"), str) else None
         if text is not None and truncate_prompt_tokens is not None:
-            return ProcessedPrompt(text, self.tokenizer.encode(text, True, truncate_prompt_tokens))
+            tokenizer = self._text_tokenizer()
+            return ProcessedPrompt(text, tokenizer.encode(text, True, truncate_prompt_tokens))
         processed = self.process_prompt(prompt)
         if truncate_prompt_tokens is not None:
             processed.prompt_token_ids = processed.prompt_token_ids[-truncate_prompt_tokens:]
@@ -118,7 +128,9 @@ class Processor:
         self, prompt: PromptType, add_special_tokens: bool = True
     ) -> ProcessedPrompt:
         if isinstance(prompt, str):
-            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens))
+            return ProcessedPrompt(
+                prompt, self._text_tokenizer().encode(prompt, add_special_tokens)
+            )
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return ProcessedPrompt(

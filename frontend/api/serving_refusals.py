@@ -20,6 +20,7 @@ GENERATION_PATHS = (
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
+    "/inference/v1/generate",
 )
 # The routes of each task, for the model that lacks it.
 TASK_PATHS = {"generate": GENERATION_PATHS, "embed": POOLING_PATHS}

@@ -1,7 +1,10 @@
 """Prompt utilities: /tokenize, /detokenize, /tokenizer_info and the render routes.
 
-The render routes answer what a generation request would send to the
-engine (prompt text and token ids) without generating anything.
+The render routes answer what a generation request would send to the engine
+without generating anything, in vLLM's GenerateRequest shape (token ids and
+resolved sampling params, `max_tokens` included) plus the rendered `prompt`
+text: /v1/chat/completions/render one, /v1/completions/render a list, one
+per prompt. Each can be POSTed to /inference/v1/generate as it is.
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagoda.frontend.api.common import check_model
+from pagoda.frontend.api.common import as_api_error, check_model, new_id, refresh_loras
 from pagoda.frontend.api.errors import APIError
 from pagoda.frontend.api.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagoda.frontend.api.serving_chat import ChatServer
+from pagoda.frontend.api.serving_completion import CompletionServer
+from pagoda.frontend.api.serving_tokens import render_body
 from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.processor import ProcessedPrompt
+from pagoda.protocol.sampling_params import SamplingParams
 
 
 class TokenizeRequest(BaseModel):
@@ -40,14 +47,41 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(..., max_length=1_000_000)
 
 
-def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRouter:
+def build_router(
+    engine: AsyncLLM, served: list[str], chat: ChatServer, completions: CompletionServer
+) -> APIRouter:
     router = APIRouter()
-    tokenizer = engine.tokenizer
     max_model_len = engine.ready.max_model_len
 
     def render_chat(req: ChatCompletionRequest) -> tuple[str, list[int]]:
         text = chat.render(req)
-        return text, tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return text, engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+    def generate_request(
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        req: ChatCompletionRequest | CompletionRequest,
+    ) -> dict[str, Any]:
+        """The GenerateRequest this prompt would be, its params as the engine gets them."""
+        try:
+            params, _ = engine.processor.make_requests(request_id, prompt, params, req.priority)
+        except ValueError as e:  # the prompt does not fit, the model does not generate
+            raise as_api_error(e) from None
+        text = prompt.prompt
+        if text is None:
+            text = engine.tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
+        return render_body(
+            request_id,
+            text,
+            prompt.prompt_token_ids,
+            params,
+            req.model,
+            req.stream,
+            req.stream_options,
+            (req.model_extra or {}).get("cache_salt"),
+            req.priority,
+        )
 
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -67,10 +101,10 @@ def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRo
             _, ids = render_chat(chat_req)
         else:
             assert req.prompt is not None
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
         if req.return_token_strs:
-            body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+            body["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
         return body
 
     @router.post("/detokenize")
@@ -79,10 +113,11 @@ def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRo
         bad = next((t for t in req.tokens if not 0 <= t < engine.ready.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of vocabulary", "tokens")
-        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @router.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
+        tokenizer = engine.tokenizer
         return {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "vocab_size": tokenizer.vocab_size,
@@ -94,36 +129,16 @@ def build_router(engine: AsyncLLM, served: list[str], chat: ChatServer) -> APIRo
 
     @router.post("/v1/chat/completions/render")
     async def render_chat_route(req: ChatCompletionRequest) -> dict[str, Any]:
+        await refresh_loras(engine, served, req.model)
         check_model(engine, served, req.model)
-        text, ids = render_chat(req)
-        return {
-            "prompt": text,
-            "prompt_token_ids": ids,
-            "num_prompt_tokens": len(ids),
-            "max_model_len": max_model_len,
-        }
+        params, _, text, ids = chat.prepare(req)
+        return generate_request(new_id("chatcmpl"), ProcessedPrompt(text, ids), params, req)
 
     @router.post("/v1/completions/render")
-    async def render_completion_route(req: CompletionRequest) -> dict[str, Any]:
+    async def render_completion_route(req: CompletionRequest) -> list[dict[str, Any]]:
+        await refresh_loras(engine, served, req.model)
         check_model(engine, served, req.model)
-        prompts = req.prompt
-        items = (
-            [prompts]
-            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-            else list(prompts)
-        )
-        rendered = []
-        for item in items:
-            processed = engine.processor.process_prompt(item, req.add_special_tokens)  # type: ignore[arg-type]
-            rendered.append(
-                {
-                    "prompt": processed.prompt
-                    if processed.prompt is not None
-                    else tokenizer.decode(processed.prompt_token_ids, skip_special_tokens=False),
-                    "prompt_token_ids": processed.prompt_token_ids,
-                    "num_prompt_tokens": len(processed.prompt_token_ids),
-                }
-            )
-        return {"prompts": rendered, "max_model_len": max_model_len}
+        params, prompts = completions.prepare(req)
+        return [generate_request(new_id("cmpl"), p, params, req) for p in prompts]
 
     return router
