@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response
 
 from pagoda.frontend.api.errors import APIError, error_response
 from pagoda.frontend.api.serving_pooling import POOLING_PATHS
+from pagoda.frontend.api.serving_scoring import SCORING_PATHS
 
 GENERATION_PATHS = (
     "/v1/completions",
@@ -21,6 +22,7 @@ GENERATION_PATHS = (
     "/v1/messages/count_tokens",
     "/v1/responses",
     "/inference/v1/generate",
+    *SCORING_PATHS,
 )
 # The routes of each task, for the model that lacks it.
 TASK_PATHS = {"generate": GENERATION_PATHS, "embed": POOLING_PATHS}
