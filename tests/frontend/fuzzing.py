@@ -37,7 +37,7 @@ def clamp(body: Any, model: str | None = None, path: str = "") -> Any:
         if model is not None and "model" in body:
             body["model"] = model
         # Many prompts or batch items multiply the cost without new code paths.
-        for name in ("prompt", "requests"):
+        for name in ("prompt", "requests", "items"):
             if isinstance(body.get(name), list) and len(body[name]) > 2:
                 body[name] = body[name][:2]
         if isinstance(body.get("requests"), list):
