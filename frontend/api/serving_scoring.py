@@ -30,7 +30,7 @@ first max_model_len - 1 tokens, which scores a prompt without its end.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
@@ -194,7 +194,8 @@ class ScoringServer:
         query = self._tokens(req.query, req.add_special_tokens, "query")
         max_model_len = self.engine.ready.max_model_len
         prompts = []
-        for i, item in enumerate(req.items):
+        items = cast("list[str | list[int]]", req.items)  # either kind: mypy joins them
+        for i, item in enumerate(items):
             if not item:
                 raise APIError(400, f"items[{i}] is empty", "items")
             ids = self._tokens(item, False, "items")
