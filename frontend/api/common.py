@@ -168,6 +168,8 @@ def accumulate(target: CompletionOutput, delta: CompletionOutput) -> None:
     target.cumulative_logprob = delta.cumulative_logprob
     target.finish_reason = delta.finish_reason
     target.stop_reason = delta.stop_reason
+    if delta.weight_versions is not None:
+        target.weight_versions = delta.weight_versions
 
 
 # json.dumps(..., ensure_ascii=False) builds a new encoder per call; streamed
