@@ -68,6 +68,9 @@ class WeightTransfer:
                 f"engine rank {rank} at rank_offset {offset} is outside the trainer's "
                 f"world of {world_size} (rank 0 is the trainer)"
             )
+        if not 0 < port < 65536 or world_size < 2:
+            raise WeightUpdateError("master_port must be a port and world_size at least 2")
+        _reachable(host, port)
         timeout = timedelta(seconds=TRANSFER_TIMEOUT_S)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         self.rank = offset + rank
@@ -95,6 +98,21 @@ class WeightTransfer:
             self.group.broadcast([tensor], options).wait()
             received.append((name, tensor.cpu()))
         return received
+
+
+def _reachable(host: str, port: int) -> None:
+    """WeightUpdateError now, rather than a store retrying until its time limit,
+    when nothing listens at the trainer's address."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=10):
+            pass
+    except OSError as e:
+        raise WeightUpdateError(
+            f"the trainer's store at {host}:{port} is not reachable ({e}); "
+            "start the trainer's TCPStore (is_master=True) first"
+        ) from None
 
 
 def check_update_info(update_info: dict[str, Any]) -> tuple[list[str], list[str], list[list[int]]]:

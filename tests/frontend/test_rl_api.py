@@ -17,10 +17,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagoda.frontend.api.serving_rl import RL_PATHS
 from tests.engine_core.hf_reference import hf_greedy
 from tests.engine_core.test_mp_executor import free_ports
 from tests.engine_core.test_weight_transfer import TRAINER
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME, Server
+from tests.frontend.fuzzing import fuzz_all
 from tests.frontend.servers import private_server
 from tests.frontend.test_lora_sdk import add_word_tokenizer
 
@@ -204,3 +206,29 @@ def test_weight_update_from_a_trainer_over_http(
         assert r.status_code == 400
         again = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
         assert [c["text"] for c in again["choices"]] == [c["text"] for c in got["choices"]]
+
+
+def test_fuzz_the_rl_routes(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], model)
+    add_word_tokenizer(model)
+    flags = ("--model", str(model), "--dtype", "float32", "--kv-cache-memory-bytes", str(8 << 20))
+    (tmp_path / "srv").mkdir()
+    with private_server(tmp_path / "srv", flags, "--enable-rl-api", name="rlf") as base:
+        # Nothing listens here: a clear 400 at once, not a store waiting minutes.
+        init = {"master_address": "127.0.0.1", "master_port": free_ports(1), "world_size": 2}
+        started = time.monotonic()
+        r = httpx.post(base + "/init_weight_transfer_engine", json={"init_info": init}, timeout=60)
+        assert r.status_code == 400 and "not reachable" in r.text
+        assert time.monotonic() - started < 15
+        for bad in ([], {"init_info": 3}, {"init_info": {"master_port": "x"}}):
+            r = httpx.post(base + "/init_weight_transfer_engine", json=bad, timeout=60)
+            assert r.status_code == 400, (bad, r.text)
+        r = httpx.post(base + "/update_weights", json={"update_info": {"names": ["a"]}})
+        assert r.status_code == 400
+        results = fuzz_all(base, 3, routes=sorted(RL_PATHS))
+        assert len(results) >= len(RL_PATHS)
+        problems = [f"{r.route}: {p}" for r in results for p in r.problems]
+        assert not problems, "\n".join(problems[:10])
+        assert sum(r.server_errors for r in results) == 0
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
