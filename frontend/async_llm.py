@@ -384,6 +384,36 @@ class AsyncLLM:
         await self.client.call_utility("wake_up", tags)
         self.note_sleeping(bool(await self.client.call_utility("is_sleeping")))
 
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """Stop generating ("abort" | "wait" | "keep"); with "wait", returns once
+        the admitted requests have finished."""
+        await self.client.call_utility("pause", mode, clear_cache)
+        if mode == "wait":
+            while (await self.client.call_utility("pause_state"))["num_unfinished"]:
+                await asyncio.sleep(0.05)
+
+    async def resume_generation(self) -> None:
+        await self.client.call_utility("resume")
+
+    async def is_paused(self) -> bool:
+        return bool(await self.client.call_utility("is_paused"))
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        await self.client.call_utility("init_weight_transfer_engine", init_info)
+
+    async def update_weights(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        return dict(await self.client.call_utility("update_weights", update_info))
+
+    async def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """A control call of protocol/control.py on the engine(s), one result
+        per engine core (what POST /collective_rpc sends)."""
+        client = self.client
+        if isinstance(client, DPClient):
+            return list(await client.call_utility_all(method, *args, kwargs=kwargs))
+        return [await client.call_utility(method, *args, kwargs=kwargs)]
+
     async def is_sleeping(self) -> bool:
         asleep = bool(await self.client.call_utility("is_sleeping"))
         self.note_sleeping(asleep)

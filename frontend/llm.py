@@ -217,6 +217,37 @@ class LLM:
     def is_sleeping(self) -> bool:
         return bool(self.client.call_utility("is_sleeping"))
 
+    # ------------------------------------------------------------ RL training
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """Stop generating: "abort" ends requests now, "wait" lets them finish,
+        "keep" freezes them until resume_generation (engine_core/core/training.py)."""
+        self.client.call_utility("pause", mode, clear_cache)
+        if mode == "wait":
+            while self.client.call_utility("pause_state")["num_unfinished"]:
+                self.client.get_outputs()  # nobody is reading them in between
+
+    def resume_generation(self) -> None:
+        self.client.call_utility("resume")
+
+    def is_paused(self) -> bool:
+        return bool(self.client.call_utility("is_paused"))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's group: {master_address, master_port, rank_offset, world_size}."""
+        self.client.call_utility("init_weight_transfer_engine", init_info)
+
+    def update_weights(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Load the tensors the trainer broadcasts ({names, dtype_names, shapes}),
+        or a safetensors file or directory ({"path"}); returns the new weight version."""
+        return dict(self.client.call_utility("update_weights", update_info))
+
+    def collective_rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call a worker method on every rank (vLLM's LLM.collective_rpc); results by rank."""
+        return self.client.engine.executor.collective_rpc(method, tuple(args), kwargs)
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register an adapter (vLLM's LLM.add_lora); requests may also name it by path."""
         self.client.call_utility(

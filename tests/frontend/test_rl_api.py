@@ -232,3 +232,32 @@ def test_fuzz_the_rl_routes(tiny_models: dict[str, Path], tmp_path: Path) -> Non
         assert not problems, "\n".join(problems[:10])
         assert sum(r.server_errors for r in results) == 0
         assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def test_the_sdk_rl_methods(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """LLM.pause_generation / resume_generation / update_weights / collective_rpc."""
+    from pagoda import LLM, SamplingParams
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], model)
+    add_word_tokenizer(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        for _, param in hf.named_parameters():
+            param.mul_(1.1)
+    hf.save_pretrained(tmp_path / "new")
+    llm = LLM(str(model), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    llm.pause_generation("keep")
+    assert llm.is_paused()
+    llm.resume_generation()
+    assert not llm.is_paused()
+    assert llm.update_weights({"path": str(tmp_path / "new")}) == {
+        "num_tensors": len(list(hf.named_parameters())),
+        "weight_version": 1,
+    }
+    assert [info.rank for info in llm.collective_rpc("describe")] == [0]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == hf_greedy(hf, [[5, 6, 7]], 5)[0]
+    assert out.weight_versions == [{"version": 1, "start": 0, "end": 5}]
+    llm.pause_generation("wait")  # nothing running: at once
