@@ -179,6 +179,10 @@ class Processor:
                 params, max_tokens=max(self.max_model_len - num_prompt, 1)
             )
         assert params.max_tokens is not None
+        if params.min_tokens > params.max_tokens:  # validate() saw no max_tokens yet
+            raise SamplingParamsError(
+                "min_tokens", "min_tokens must be less than or equal to max_tokens"
+            )
         if num_prompt + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 "max_tokens" if num_prompt < self.max_model_len else "messages",

@@ -161,11 +161,12 @@ class TokensServer:
                 400, "stream_options is only allowed when stream is true", "stream_options"
             )
         params = req.sampling_params.to_sampling_params()
+        prompt = self.engine.processor.process_prompt(req.token_ids)  # ids in the vocabulary
         base_id = raw.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
         request_id = REQUEST_ID_PREFIX + base_id[:256]
         stream = self.engine.generate_tokens(
             None,
-            req.token_ids,
+            prompt.prompt_token_ids,
             params,
             request_id,
             output_kind="delta" if req.stream else "final",
