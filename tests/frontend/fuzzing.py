@@ -4,8 +4,9 @@ Every route of /openapi.json but the engine-control ones (sleep, wake-up,
 profiling, prefix-cache reset: they change the server's state for everyone)
 gets generated requests; none may answer 5xx, and every error body must be in
 its route's own shape. Generated token budgets are clamped (max_tokens ≤ 8,
-n ≤ 2, at most 2 prompts or batch items) so a run costs seconds per route on
-a CPU, not minutes: the fuzzer explores the shape of requests, not long generations.
+n ≤ 2, at most 2 prompts or batch items; inside `sampling_params` for
+/inference/v1/generate) so a run costs seconds per route on a CPU, not
+minutes: the fuzzer explores the shape of requests, not long generations.
 """
 
 from __future__ import annotations
@@ -43,9 +44,17 @@ def clamp(body: Any, model: str | None = None, path: str = "") -> Any:
         if isinstance(body.get("requests"), list):
             for item in body["requests"]:
                 clamp(item, model, "/v1/chat/completions")
+        # /inference/v1/generate: the budget is in vLLM's SamplingParams (and
+        # unknown names are a 400 in its bodies, so nothing is added at the top).
+        if isinstance(body.get("sampling_params"), dict):
+            clamp(body["sampling_params"])
         # An absent budget means "up to the context length": seconds per request.
         budget = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
-        if path != "/v1/messages" and not any(body.get(f) is not None for f in _BUDGET_FIELDS[:3]):
+        if (
+            path != "/v1/messages"
+            and not path.startswith("/inference/")
+            and not any(body.get(f) is not None for f in _BUDGET_FIELDS[:3])
+        ):
             body[budget] = 8
         # Integral floats (924.0) count too: the routes accept them as ints.
         for name in _BUDGET_FIELDS:

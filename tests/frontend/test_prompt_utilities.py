@@ -39,16 +39,16 @@ def test_tokenized_messages_count_matches_chat_usage(server: Server) -> None:
     render = post(
         server, "/v1/chat/completions/render", {"model": MODEL_NAME, "messages": CHAT}
     ).json()
-    assert render["prompt_token_ids"] == tok["tokens"]
+    assert render["token_ids"] == tok["tokens"]
     assert render["prompt"].endswith("<|im_start|>assistant\n")
 
 
 def test_completion_render_and_tokenizer_info(server: Server) -> None:
     r = post(server, "/v1/completions/render", {"model": MODEL_NAME, "prompt": ["a b", "c d e"]})
     counts = [post(server, "/tokenize", {"prompt": p}).json()["count"] for p in ("a b", "c d e")]
-    assert [p["num_prompt_tokens"] for p in r.json()["prompts"]] == counts
+    assert [len(p["token_ids"]) for p in r.json()] == counts
     ids = post(server, "/v1/completions/render", {"prompt": [1, 2, 3]}).json()
-    assert ids["prompts"][0]["prompt_token_ids"] == [1, 2, 3]
+    assert ids[0]["token_ids"] == [1, 2, 3]
     info = httpx.get(server.base_url + "/tokenizer_info").json()
     assert info["eos_token_id"] == 2 and "im_start" in info["chat_template"]
 
