@@ -136,6 +136,7 @@ def _routers(
             build_models_router(engine, served),
             build_metrics_router(in_flight, engine.metrics),
             build_admin_router(engine, config.enable_admin_api),
+            *([build_rl_router(engine)] if config.enable_rl_api else []),
             *([build_lora_router(engine, served)] if engine.ready.enable_lora else []),
             tokens,
         ]

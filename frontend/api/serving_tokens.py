@@ -34,6 +34,7 @@ from pagoda.frontend.api.common import (
     sse_with_errors,
     unless_disconnected,
     usage,
+    with_weight_versions,
 )
 from pagoda.frontend.api.errors import APIError, error_response
 from pagoda.frontend.api.inflight import InFlight
@@ -197,6 +198,7 @@ class TokensServer:
                     "token_ids": out.token_ids,
                     "finish_reason": out.finish_reason or "stop",
                     "logprobs": logprobs,
+                    **with_weight_versions(out),
                 }
             )
         num_completion = sum(len(o.token_ids) for o in final.outputs)
@@ -236,6 +238,7 @@ class TokensServer:
                     "token_ids": o.token_ids,
                     "finish_reason": o.finish_reason,
                     "logprobs": logprobs,
+                    **with_weight_versions(o),
                 }
                 chunk_usage = usage(num_prompt, num_generated[o.index]) if continuous else None
                 yield sse({"request_id": request_id, "choices": [choice], "usage": chunk_usage})

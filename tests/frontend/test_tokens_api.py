@@ -9,6 +9,7 @@ and refuses the text routes.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pagoda.frontend.cli import add_frontend_args, frontend_args_to_argv
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME, Server
 from tests.frontend.fuzzing import fuzz_all
 from tests.frontend.servers import Processes, api_argv, engine_argv, free_port, wait_healthy
@@ -356,7 +358,7 @@ def tokens_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     address = f"ipc://{tmp_path_factory.mktemp('tokens-only')}/engine"
     port = free_port()
     procs.start(engine_argv(address, *ENGINE_FLAGS), "engine-tokens-only")
-    api = api_argv(address, port, "--tokens-only", "--api-key", KEY)
+    api = api_argv(address, port, "--tokens-only", "--api-key", KEY, "--enable-rl-api")
     procs.start(["env", f"PYTHONPATH={shadow}", *api], "api-tokens-only")
     base = f"http://127.0.0.1:{port}"
     try:
@@ -407,6 +409,9 @@ def test_tokens_only_refuses_the_text_routes(tokens_only: str) -> None:
         assert "--tokens-only" in r.json()["error"]["message"]
     models = httpx.get(tokens_only + "/v1/models", headers=AUTH, timeout=30).json()
     assert models["data"][0]["id"] == MODEL_NAME
+    # A trainer's other routes need no tokenizer either.
+    paused = httpx.get(tokens_only + "/is_paused", headers=AUTH, timeout=30)
+    assert paused.json() == {"is_paused": False}
 
 
 def test_tokens_only_routes_need_the_key(tokens_only: str) -> None:
@@ -419,3 +424,13 @@ def test_tokens_only_routes_need_the_key(tokens_only: str) -> None:
     assert post(tokens_only, ABORT, {"request_ids": ["x"]}, headers=AUTH).status_code == 200
     assert httpx.get(tokens_only + "/health", timeout=30).status_code == 200
     assert httpx.get(tokens_only + "/version", timeout=30).status_code == 200
+
+
+def test_pagoda_serve_passes_tokens_only_on() -> None:
+    """`pagoda serve --tokens-only` hands the flag to each API server it starts."""
+    serve = argparse.ArgumentParser()
+    add_frontend_args(serve)
+    api = argparse.ArgumentParser()
+    add_frontend_args(api)
+    assert api.parse_args(frontend_args_to_argv(serve.parse_args(["--tokens-only"]))).tokens_only
+    assert not api.parse_args(frontend_args_to_argv(serve.parse_args([]))).tokens_only
