@@ -105,6 +105,8 @@ for name, tensor, op in [
     ("shm all_reduce f32 [rows, hidden]", torch.randn(rows, hidden), "shm"),
     ("gloo all_gather f32 [rows, vocab/2]", torch.randn(rows, vocab // 2), "gather"),
     ("shm all_gather f32 [rows, vocab/2]", torch.randn(rows, vocab // 2), "shm_gather"),
+    ("gloo send/recv bf16 [2, rows, hidden] (stage to stage)",
+     torch.randn(2, rows, hidden).bfloat16(), "p2p"),
 ]:
     parts = [torch.empty_like(tensor) for _ in range(2)]
     times = []
@@ -115,6 +117,11 @@ for name, tensor, op in [
             dist.all_reduce(tensor)
         elif op == "shm":
             assert shm.all_reduce(tensor)
+        elif op == "p2p":
+            if rank == 0:
+                dist.send(tensor, dst=1)
+            else:
+                dist.recv(tensor, src=0)
         elif op == "shm_gather":
             assert shm.all_gather_last(tensor) is not None
         else:
