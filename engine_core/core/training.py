@@ -52,6 +52,7 @@ class TrainingControls:
         backend = self.config.weight_transfer_backend
         self.weight_transfer_backend = backend or ("nccl" if device == "cuda" else "gloo")
         self.weight_version: int | str = 0
+        self._weights_changed = False  # any update so far: outputs carry versions
         self._weight_update_open = False  # between start_ and finish_weight_update
         self._weight_transfer_ready = False
 
@@ -205,13 +206,22 @@ class TrainingControls:
         if isinstance(version, bool) or not isinstance(version, int | str):
             raise ValueError("weight_version must be an integer or a string")
         self.weight_version = version
+        self._weights_changed = True
         logger.info("weight version %s", version)
 
     def _stamp_versions(self, deltas: list[tuple[Request, RequestDelta]]) -> None:
-        """Note which weights made each new token; a last delta carries the ranges."""
+        """Note which weights made each new token; a last delta carries the
+        ranges. Nothing is noted until the first update: tokens before a
+        request's first range are the checkpoint's (version 0)."""
+        if not self._weights_changed:
+            return
         version = self.weight_version
         for request, delta in deltas:
             if delta.new_token_ids:
                 request.note_weight_version(version, len(delta.new_token_ids))
-            if delta.finish_reason is not None and request.weight_versions:
-                delta.weight_versions = request.weight_versions
+            if delta.finish_reason is not None:
+                ranges = request.weight_versions
+                first = ranges[0][1] if ranges else request.num_output_tokens
+                if first > 0:
+                    ranges.insert(0, (0, 0, first))
+                delta.weight_versions = ranges or None

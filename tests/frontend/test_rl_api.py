@@ -160,6 +160,9 @@ def test_weight_update_from_a_trainer_over_http(
             time.sleep(0.2)
             sent = json.loads((out / "update.json").read_text())
             assert httpx.get(base + "/get_world_size").json() == {"world_size": 1}
+            fresh = {"model": str(model), "prompt": "w5 w6", "max_tokens": 2, "temperature": 0}
+            choice = httpx.post(base + "/v1/completions", json=fresh, timeout=60).json()
+            assert "weight_versions" not in choice["choices"][0]  # no update yet
             init = {
                 "master_address": "127.0.0.1",
                 "master_port": port,
