@@ -93,7 +93,29 @@ def build_router(engine: AsyncLLM) -> APIRouter:
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> dict[str, str]:
         init_info = _object_field(await read_json(request), "init_info")
-        await call("init_weight_transfer_engine", init_info)
+        client = engine.client
+        if isinstance(client, DPClient):
+            # Data-parallel engines take consecutive blocks of ranks after the
+            # offset, all joining at once (the group forms when all are in).
+            size = int(await call("get_world_size"))
+            offset = init_info.get("rank_offset", 1)
+            if isinstance(offset, bool) or not isinstance(offset, int):
+                raise APIError(400, "init_info.rank_offset must be an integer", "init_info")
+            method = "init_weight_transfer_engine"
+            await utility(
+                lambda: asyncio.gather(
+                    *(
+                        c.call_utility(
+                            method,
+                            {**init_info, "rank_offset": offset + i * size},
+                            timeout=timeout_of(method),
+                        )
+                        for i, c in enumerate(client.clients)
+                    )
+                )
+            )
+        else:
+            await call("init_weight_transfer_engine", init_info)
         return {"message": "Weight transfer initialized"}
 
     @router.post("/update_weights")

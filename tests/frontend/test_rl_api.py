@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagoda.frontend.api.serving_rl import RL_PATHS
+from pagoda.protocol.addresses import dp_addresses
 from tests.engine_core.hf_reference import hf_greedy
 from tests.engine_core.test_mp_executor import free_ports
 from tests.engine_core.test_weight_transfer import TRAINER
 from tests.frontend.conftest import ENGINE_FLAGS, MODEL_NAME, Server
 from tests.frontend.fuzzing import fuzz_all
-from tests.frontend.servers import private_server
+from tests.frontend.servers import (
+    Processes,
+    api_argv,
+    engine_argv,
+    free_port,
+    private_server,
+    wait_healthy,
+)
 from tests.frontend.test_lora_sdk import add_word_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -136,9 +146,28 @@ def test_pause_modes_under_streaming_load(tmp_path: Path) -> None:
         assert held["Story 1: once"] == plain["Story 1: once"]
 
 
+@contextmanager
+def rl_server(directory: Path, flags: tuple[str, ...], dp: int) -> Iterator[str]:
+    """`dp` engine cores and one API server with the RL routes; yields the base URL."""
+    addresses = dp_addresses(f"ipc://{directory}/engine", dp)
+    procs = Processes()
+    for i, address in enumerate(addresses):
+        procs.start(engine_argv(address, *flags, "--num-threads", "1"), f"engine-rl{i}")
+    port = free_port()
+    procs.start(api_argv(",".join(addresses), port, "--enable-rl-api"), "api-rl")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, procs)
+        yield base
+    finally:
+        procs.stop()
+
+
+@pytest.mark.parametrize("dp", [1, 2])
 def test_weight_update_from_a_trainer_over_http(
-    tiny_models: dict[str, Path], tmp_path: Path
+    tiny_models: dict[str, Path], tmp_path: Path, dp: int
 ) -> None:
+    """One engine, or two data-parallel engines taking consecutive ranks."""
     # The tiny model with a word-level tokenizer over its vocabulary.
     model = tmp_path / "model"
     shutil.copytree(tiny_models["llama"], model)
@@ -146,11 +175,12 @@ def test_weight_update_from_a_trainer_over_http(
     flags = ("--model", str(model), "--dtype", "float32", "--kv-cache-memory-bytes", str(8 << 20))
     prompts = [[5, 17, 300, 42, 9], [800, 3, 3, 77]]
     (tmp_path / "srv").mkdir()
-    with private_server(tmp_path / "srv", flags, "--enable-rl-api", name="rlw") as base:
+    with rl_server(tmp_path / "srv", flags, dp) as base:
         out = tmp_path / "perturbed"
         port = free_ports(1)
         trainer = subprocess.Popen(
-            [sys.executable, str(TRAINER), str(model), str(out), str(port), "2"], cwd=tmp_path
+            [sys.executable, str(TRAINER), str(model), str(out), str(port), str(1 + dp)],
+            cwd=tmp_path,
         )
         try:
             deadline = time.monotonic() + 120
@@ -159,7 +189,7 @@ def test_weight_update_from_a_trainer_over_http(
                 time.sleep(0.1)
             time.sleep(0.2)
             sent = json.loads((out / "update.json").read_text())
-            assert httpx.get(base + "/get_world_size").json() == {"world_size": 1}
+            assert httpx.get(base + "/get_world_size").json() == {"world_size": dp}
             fresh = {"model": str(model), "prompt": "w5 w6", "max_tokens": 2, "temperature": 0}
             choice = httpx.post(base + "/v1/completions", json=fresh, timeout=60).json()
             assert "weight_versions" not in choice["choices"][0]  # no update yet
@@ -167,7 +197,7 @@ def test_weight_update_from_a_trainer_over_http(
                 "master_address": "127.0.0.1",
                 "master_port": port,
                 "rank_offset": 1,
-                "world_size": 2,
+                "world_size": 1 + dp,
             }
             r = httpx.post(
                 base + "/init_weight_transfer_engine", json={"init_info": init}, timeout=120
