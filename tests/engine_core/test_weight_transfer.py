@@ -215,3 +215,20 @@ def test_pause_modes(tiny_models: dict[str, Path]) -> None:
         )
     finally:
         engine.shutdown()
+
+
+def test_a_request_held_past_the_bound_fails_as_unavailable(tiny_models: dict[str, Path]) -> None:
+    engine = engine_for(tiny_models["llama"], paused_request_timeout_s=0.3)
+    try:
+        engine.pause("keep")
+        params = SamplingParams(temperature=0, max_tokens=4)
+        assert engine.add_request(AddRequest("held", PROMPTS[0], params, 0.0)) is None
+        assert not engine.has_work()  # nothing to do until resume or the bound
+        time.sleep(0.4)
+        assert engine.has_work()
+        (_, delta), *_ = engine.step()
+        assert delta.finish_reason == "error" and delta.error_kind == "paused"
+        assert "paused" in (delta.error or "")
+        assert engine.scheduler.requests == {}
+    finally:
+        engine.shutdown()
