@@ -7,6 +7,7 @@ import inspect
 import pytest
 
 from pagoda.engine_core.core.engine_utilities import EngineUtilities
+from pagoda.engine_core.core.training import TrainingControls
 from pagoda.protocol.control import ADMIN_RPC_CALLS, CONTROL_CALLS
 
 
@@ -14,7 +15,8 @@ from pagoda.protocol.control import ADMIN_RPC_CALLS, CONTROL_CALLS
 def test_each_engine_call_matches_its_method(name: str) -> None:
     """The declared arguments are the method's, in order, required where it has no default."""
     call = CONTROL_CALLS[name]
-    signature = inspect.signature(getattr(EngineUtilities, name))
+    method = getattr(EngineUtilities, name, None) or getattr(TrainingControls, name)
+    signature = inspect.signature(method)
     params = [p for p in signature.parameters.values() if p.name != "self"]
     assert [p.name for p in params] == [p.name for p in call.params]
     for declared, actual in zip(call.params, params, strict=True):
