@@ -23,6 +23,7 @@ from pagoda.engine_core.worker.weight_transfer import (
     check_against_model,
     check_update_info,
     checksum,
+    packed_buffer_bytes,
     read_safetensors,
 )
 
@@ -78,7 +79,8 @@ class RunnerUtilities:
             )
         # Every tensor is taken off the wire before any is checked, so that a
         # refused update leaves the trainer's broadcasts matched, not hanging.
-        pairs = self.weight_transfer.receive(names, dtype_names, shapes)
+        packed = packed_buffer_bytes(update_info)
+        pairs = self.weight_transfer.receive(names, dtype_names, shapes, packed)
         return self._apply_weights(pairs)
 
     def load_weights_from_file(self, path: str, names: list[str] | None) -> int:

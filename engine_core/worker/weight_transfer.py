@@ -18,6 +18,7 @@ stay as they were.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterable
 from datetime import timedelta
@@ -28,6 +29,7 @@ import torch
 # How long a rank waits for the trainer to join or to send.
 TRANSFER_TIMEOUT_S = float(os.environ.get("PAGODA_WEIGHT_TRANSFER_TIMEOUT", "300"))
 BACKENDS = ("gloo", "nccl", "file")
+DEFAULT_PACKED_BUFFER_BYTES = 1 << 30
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -84,20 +86,53 @@ class WeightTransfer:
         self.backend = backend
 
     def receive(
-        self, names: list[str], dtype_names: list[str], shapes: list[list[int]]
+        self,
+        names: list[str],
+        dtype_names: list[str],
+        shapes: list[list[int]],
+        packed_buffer_bytes: int | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
-        """Every tensor the trainer broadcasts, in order, on the CPU."""
+        """Every tensor the trainer broadcasts, in order, on the CPU.
+
+        Packed (`packed_buffer_bytes` set): the trainer concatenates the
+        tensors' bytes in order and broadcasts a uint8 buffer each time the
+        running total passes the buffer size (the tensor that passes it
+        included), then one for the rest.
+        """
+        on = self.device if self.backend == "nccl" else torch.device("cpu")
+        specs = [
+            (name, tuple(shape), parse_dtype(dtype_name))
+            for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True)
+        ]
+        if packed_buffer_bytes is None:
+            received = []
+            for name, shape, dtype in specs:
+                tensor = torch.empty(shape, dtype=dtype, device=on)
+                self._broadcast(tensor)
+                received.append((name, tensor.cpu()))
+            return received
+        received, chunk, size = [], [], 0
+        for index, (name, shape, dtype) in enumerate(specs):
+            chunk.append((name, shape, dtype))
+            size += math.prod(shape) * dtype.itemsize
+            if size > packed_buffer_bytes or index == len(specs) - 1:
+                buffer = torch.empty(size, dtype=torch.uint8, device=on)
+                self._broadcast(buffer)
+                offset = 0
+                for part_name, part_shape, part_dtype in chunk:
+                    nbytes = math.prod(part_shape) * part_dtype.itemsize
+                    part = buffer[offset : offset + nbytes].cpu().clone()
+                    received.append((part_name, part.view(part_dtype).reshape(part_shape)))
+                    offset += nbytes
+                chunk, size = [], 0
+        return received
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        received = []
-        on = self.device if self.backend == "nccl" else torch.device("cpu")
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
-            tensor = torch.empty(tuple(shape), dtype=parse_dtype(dtype_name), device=on)
-            self.group.broadcast([tensor], options).wait()
-            received.append((name, tensor.cpu()))
-        return received
+        self.group.broadcast([tensor], options).wait()
 
 
 def _reachable(host: str, port: int) -> None:
@@ -136,9 +171,17 @@ def check_update_info(update_info: dict[str, Any]) -> tuple[list[str], list[str]
             raise WeightUpdateError(f"{name}: shape must be a list of sizes")
     if len(set(names)) != len(names):
         raise WeightUpdateError("update_info.names lists a tensor twice")
-    if update_info.get("packed"):
-        raise WeightUpdateError("packed transfers are not supported: send packed=false")
     return names, dtype_names, shapes
+
+
+def packed_buffer_bytes(update_info: dict[str, Any]) -> int | None:
+    """The packed transfer's buffer size (vLLM's default 1 GiB), or None when not packed."""
+    if not update_info.get("packed"):
+        return None
+    size = update_info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_BYTES)
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise WeightUpdateError("update_info.packed_buffer_size_bytes must be a positive integer")
+    return size
 
 
 def read_safetensors(path: str, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:

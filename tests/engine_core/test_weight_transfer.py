@@ -54,12 +54,21 @@ def greedy(engine: EngineCore, tag: str, max_tokens: int = 8) -> dict[str, Any]:
 
 
 def start_trainer(
-    model: Path, out: Path, world_size: int
+    model: Path, out: Path, world_size: int, packed: int = 0
 ) -> tuple[subprocess.Popen[bytes], int, dict[str, Any]]:
     port = free_ports(1)
     # Run as a plain script from elsewhere: the trainer imports nothing of Pagoda's.
     trainer = subprocess.Popen(
-        [sys.executable, str(TRAINER), str(model), str(out), str(port), str(world_size)],
+        [
+            sys.executable,
+            str(TRAINER),
+            str(model),
+            str(out),
+            str(port),
+            str(world_size),
+            "--packed",
+            str(packed),
+        ],
         cwd=out.parent,
     )
     deadline = time.monotonic() + 120
@@ -71,15 +80,17 @@ def start_trainer(
     return trainer, port, json.loads((out / "update.json").read_text())
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("tp", "packed"), [(1, 0), (2, 0), (1, 20000)])
 def test_a_trainer_broadcasts_new_weights(
-    tiny_models: dict[str, Path], tmp_path: Path, tp: int
+    tiny_models: dict[str, Path], tmp_path: Path, tp: int, packed: int
 ) -> None:
+    """Tensor by tensor at one and two ranks; packed into ~20 kB buffers
+    (several tensors each, and tensors bigger than a buffer)."""
     model = tiny_models["llama"]
     engine = engine_for(model, tp)
     try:
         before = greedy(engine, "a")
-        trainer, port, sent = start_trainer(model, tmp_path / "perturbed", 1 + tp)
+        trainer, port, sent = start_trainer(model, tmp_path / "perturbed", 1 + tp, packed)
         try:
             assert engine.init_weight_transfer_engine(
                 {
