@@ -193,6 +193,7 @@ class AsyncLLM:
         add_special_tokens: bool = True,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come; aborts the engine request if the caller stops."""
         processed = self.processor.process_prompt(prompt, add_special_tokens)
@@ -204,6 +205,7 @@ class AsyncLLM:
             output_kind,
             priority,
             lora_request,
+            cache_salt=cache_salt,
         ):
             yield out
 
@@ -217,6 +219,7 @@ class AsyncLLM:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         detokenize: bool = True,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate from token ids; `detokenize=False` (or no tokenizer): outputs
         carry token ids and no text, and stop strings are refused."""
@@ -237,6 +240,7 @@ class AsyncLLM:
             sampling_params,
             priority,
             lora_request,
+            cache_salt,
         )
         state = RequestState(request_id, prompt, prompt_token_ids, params, tokenizer, output_kind)
         queue: DeltaQueue = asyncio.Queue()

@@ -164,6 +164,7 @@ class Processor:
         params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[SamplingParams, list[AddRequest]]:
         """Validate and fan out; returns the effective params and the engine requests."""
         self.check_task("generate")
@@ -200,6 +201,7 @@ class Processor:
                 arrival_time=now,
                 priority=priority,
                 lora_request=lora_request,
+                cache_salt=cache_salt,
             )
             for i in range(params.n)
         ]

@@ -53,6 +53,9 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     priority: int = 0
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    # Cached prefix blocks are shared only among requests with the same salt
+    # (vLLM's cache_salt: one tenant cannot probe another's prompts by timing).
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -219,6 +219,7 @@ class EngineCore(EngineUtilities, TrainingControls):
             lora_name=lora_name,
             pooling_params=msg.pooling_params,
             lora_id=lora_id,
+            cache_salt=msg.cache_salt,
         )
         constraint = msg.sampling_params.structured_outputs
         if constraint is not None and msg.pooling_params is None:

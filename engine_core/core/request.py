@@ -39,8 +39,10 @@ class Request:
         lora_name: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_id: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt
         self.client_id = client_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -104,9 +106,12 @@ class Request:
         return RequestTimings(scheduled - self.queued_at, first - scheduled, done - first)
 
     @property
-    def lora_cache_key(self) -> tuple[str, int] | None:
-        """What the prefix cache keys blocks by besides their tokens."""
-        return None if self.lora_name is None else (self.lora_name, self.lora_id)
+    def lora_cache_key(self) -> tuple[str | None, int, str | None] | None:
+        """What the prefix cache keys blocks by besides their tokens: the
+        adapter and the cache salt."""
+        if self.lora_name is None and self.cache_salt is None:
+            return None
+        return (self.lora_name, self.lora_id, self.cache_salt)
 
     @property
     def is_pooling(self) -> bool:

@@ -245,3 +245,15 @@ def with_weight_versions(output: Any) -> dict[str, Any]:
     matter (after POST /update_weights); nothing otherwise."""
     versions = getattr(output, "weight_versions", None)
     return {"weight_versions": versions} if versions else {}
+
+
+def cache_salt_of(req: Any) -> str | None:
+    """A request body's `cache_salt` (vLLM's extra field): a non-empty string or 400."""
+    salt = (getattr(req, "model_extra", None) or {}).get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > 1024:
+        raise APIError(
+            400, "cache_salt must be a non-empty string of at most 1024 characters", "cache_salt"
+        )
+    return salt

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.frontend.api.common import (
     accumulate,
+    cache_salt_of,
     check_model,
     lora_for,
     new_id,
@@ -105,6 +106,7 @@ class ChatServer:
             request_id,
             priority=req.priority,
             lora_request=lora_for(self.engine, model),
+            cache_salt=cache_salt_of(req),
         )
         if req.stream:
             # Validation errors must be a 400, not an in-stream error: start it first.

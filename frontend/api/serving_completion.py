@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.frontend.api.common import (
     accumulate,
+    cache_salt_of,
     check_model,
     lora_for,
     merge_streams,
@@ -103,6 +104,7 @@ class CompletionServer:
                 f"{request_id}-{i}",
                 priority=req.priority,
                 lora_request=lora_for(self.engine, model),
+                cache_salt=cache_salt_of(req),
             )
             for i, p in enumerate(prompts)
         ]

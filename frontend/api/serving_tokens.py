@@ -174,6 +174,7 @@ class TokensServer:
             priority=req.priority,
             lora_request=lora_for(self.engine, model),
             detokenize=req.sampling_params.detokenize and not self.tokens_only,
+            cache_salt=req.cache_salt,
         )
         if req.stream:
             # The first output (or the refusal) comes before any answer: a bad

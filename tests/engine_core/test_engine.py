@@ -233,3 +233,22 @@ def test_step_budget_default_is_small_for_cpu_generation() -> None:
     assert EngineConfig().max_num_batched_tokens is None  # resolved by EngineCore
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig(max_num_batched_tokens=0)
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(engine: EngineCore) -> None:
+    """Blocks cached under one salt (or none) are not found under another;
+    under the same salt they are, and the tokens are the same either way."""
+    prompt = random_prompts(33, 1, engine.info.vocab_size, 40, 40)[0]
+    params = greedy_params(4)
+
+    def run(request_id: str, salt: str | None) -> tuple[list[int], int]:
+        add = AddRequest(request_id, prompt, params, 0.0, cache_salt=salt)
+        record = run_to_completion(engine, [add]).records[request_id]
+        return record.token_ids, record.num_cached_tokens
+
+    tokens, cached = run("plain", None)
+    assert cached == 0
+    assert run("salted", "tenant-a") == (tokens, 0)
+    assert run("salted-again", "tenant-a") == (tokens, 32)  # two full blocks of 16
+    assert run("other", "tenant-b") == (tokens, 0)
+    assert run("plain-again", None) == (tokens, 32)
