@@ -174,10 +174,12 @@ def build_router(engine: AsyncLLM) -> APIRouter:
             raise APIError(400, "request_ids must be a list of strings", "request_ids")
         if len(ids) > 100_000:
             raise APIError(400, "too many request_ids", "request_ids")
+        # A completion's id covers its prompts' requests ("<id>-0", "<id>-1" ...).
+        wanted = set(ids)
         aborted = 0
-        for request_id in ids:
-            if request_id in engine.active_request_ids:
-                await engine.abort(request_id)
+        for active in engine.active_request_ids:
+            if active in wanted or active.rpartition("-")[0] in wanted:
+                await engine.abort(active)
                 aborted += 1
         return {"status": "aborted", "aborted": aborted}
 

@@ -38,6 +38,9 @@ from tests.frontend.test_lora_sdk import add_word_tokenizer
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer admin-secret"}
+# The ids of the streams started so far (their first event's `id`), and those already used.
+STREAM_IDS: list[str] = []
+SEEN_IDS: set[str] = set()
 
 
 def test_rl_routes_are_absent_by_default(server: Server) -> None:
@@ -55,10 +58,15 @@ def stream_completion(base: str, prompt: str, max_tokens: int, out: dict[str, An
         "stream": True,
     }
     text, finish = [], None
+    seen_id = False
     with httpx.stream("POST", base + "/v1/completions", json=body, headers=ADMIN, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
+                event = json.loads(line[6:])
+                if not seen_id:
+                    STREAM_IDS.append(event["id"])
+                    seen_id = True
+                choice = event["choices"][0]
                 text.append(choice["text"])
                 finish = choice["finish_reason"] or finish
     out[prompt] = ("".join(text), finish)
@@ -73,6 +81,13 @@ def live_load(base: str, n: int, max_tokens: int) -> tuple[list[threading.Thread
     for t in threads:
         t.start()
     return threads, out
+
+
+def wait_running(base: str, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while httpx.get(base + "/stats", headers=ADMIN).json().get("num_running", 0) < n:
+        assert time.monotonic() < deadline, "the load never started"
+        time.sleep(0.05)
 
 
 def wait_tokens_flowing(base: str) -> None:
@@ -129,6 +144,26 @@ def test_pause_modes_under_streaming_load(tmp_path: Path) -> None:
         httpx.post(base + "/resume", headers=ADMIN)
         late.join(60)
         assert held["Story 0: once"] == plain["Story 0: once"]
+
+        # /abort_requests by the response's id: that stream ends, the rest go on.
+        SEEN_IDS.update(STREAM_IDS)
+        threads, out = live_load(base, 2, 400)
+        wait_running(base, 2)
+        ids: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(ids) < 1 and time.monotonic() < deadline:
+            ids = [i for i in STREAM_IDS if i not in SEEN_IDS]
+            time.sleep(0.05)
+        SEEN_IDS.update(ids)
+        r = httpx.post(base + "/abort_requests", json={"request_ids": ids[:1]}, headers=ADMIN)
+        assert r.json() == {"status": "aborted", "aborted": 1}
+        r = httpx.post(base + "/abort_requests", json={"request_ids": "x"}, headers=ADMIN)
+        assert r.status_code == 400
+        httpx.post(base + "/pause?mode=abort", headers=ADMIN)
+        for t in threads:
+            t.join(30)
+        httpx.post(base + "/resume", headers=ADMIN)
+        assert sorted(f for _, f in out.values()) == ["abort", "abort"]
 
         # wait: answered once every admitted request finished; new ones held meanwhile.
         threads, waited = live_load(base, 16, 24)
