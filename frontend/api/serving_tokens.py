@@ -86,6 +86,12 @@ def token_logprobs(
             for tid, lp in ranked
             if lp.rank is not None and 1 <= lp.rank <= num_top
         ][:num_top]
+        # logprob_token_ids' values (no rank), after the top ones.
+        top += [
+            {"token": f"token_id:{tid}", "logprob": _logprob(lp.logprob), "bytes": None}
+            for tid, lp in position.items()
+            if lp.rank is None
+        ]
         content.append(
             {
                 "token": f"token_id:{token_id}",

@@ -36,7 +36,6 @@ _IGNORED = frozenset(
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "logprob_token_ids": (None,),
     "prompt_logprob_token_ids": (None,),
     "prompt_logprob_start": (None,),
     "thinking_token_budget": (None, -1),
@@ -56,6 +55,8 @@ class GenerateSamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     n: int = Field(1, ge=1, le=_INT64)
+    # These tokens' full-vocabulary logprobs at each sampled position, beside the top ones.
+    logprob_token_ids: list[int] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -123,6 +124,7 @@ class GenerateSamplingParams(BaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=constraint,
+            logprob_token_ids=self.logprob_token_ids,
         )
 
 

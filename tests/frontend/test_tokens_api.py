@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -434,3 +435,47 @@ def test_pagoda_serve_passes_tokens_only_on() -> None:
     add_frontend_args(api)
     assert api.parse_args(frontend_args_to_argv(serve.parse_args(["--tokens-only"]))).tokens_only
     assert not api.parse_args(frontend_args_to_argv(serve.parse_args([]))).tokens_only
+
+
+def test_logprob_token_ids_come_back_beside_the_top_ones(server: Server) -> None:
+    """vLLM's logprob_token_ids: those tokens' raw logprobs at every position,
+    the values the scoring route reads."""
+    ids = prompt_ids(server)
+    wanted = [11, 2000, 4567]
+    body = {
+        "token_ids": ids,
+        "sampling_params": {
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": 1,
+            "logprob_token_ids": wanted,
+        },
+    }
+    r = post(server.base_url, GENERATE, body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for position in content:
+        tokens = [t["token"] for t in position["top_logprobs"]]
+        assert all(f"token_id:{t}" in tokens for t in wanted), tokens
+        assert all(t["logprob"] <= 0 for t in position["top_logprobs"])
+    # The first position's values are the scoring route's for the same prompt.
+    scored = post(
+        server.base_url,
+        "/generative_scoring",
+        {
+            "model": MODEL_NAME,
+            "query": ids[:-1],
+            "items": [ids[-1:]],
+            "label_token_ids": wanted,
+            "apply_softmax": False,
+        },
+    ).json()
+    first = {t["token"]: t["logprob"] for t in content[0]["top_logprobs"]}
+    assert abs(math.exp(first[f"token_id:{wanted[0]}"]) - scored["data"][0]["score"]) < 1e-6
+    bad = post(
+        server.base_url,
+        GENERATE,
+        {"token_ids": ids, "sampling_params": {"max_tokens": 1, "logprob_token_ids": [10**9]}},
+    )
+    assert bad.status_code == 400 and "logprob_token_ids" in bad.text
