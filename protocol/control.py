@@ -127,7 +127,11 @@ _CALLS = (
     ControlCall("finish_weight_update", (Param("weight_version", int | str | None),)),
     ControlCall("weight_info"),
     ControlCall("get_world_size"),
-    ControlCall("weight_checker", (Param("action", str),), timeout_s=300.0),
+    ControlCall(
+        "weight_checker",
+        (Param("action", str), Param("baseline", dict[str, str] | None)),
+        timeout_s=300.0,
+    ),
     ControlCall("ping", admin_rpc=True, timeout_s=2.0, on_server=True),
     ControlCall("echo", variadic=True, admin_rpc=True, on_server=True),
 )

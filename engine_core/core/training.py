@@ -190,14 +190,30 @@ class TrainingControls:
     def get_world_size(self) -> int:
         return self.config.world_size
 
-    def weight_checker(self, action: str = "checksum") -> dict[str, Any]:
-        """sha256 of every tensor the serving weights were built from, by name."""
-        if action != "checksum":
-            raise ValueError(f"weight_checker supports action 'checksum', got {action!r}")
+    def weight_checker(
+        self, action: str = "checksum", baseline: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """ "checksum": sha256 of every tensor the serving weights were built
+        from, by name. "compare": those against `baseline` (name: sha256), the
+        names that differ and those the model does not have."""
+        if action not in ("checksum", "compare"):
+            raise ValueError(f"action must be 'checksum' or 'compare', got {action!r}")
         sums = self.executor.collective_rpc("weight_checksums")
         if any(s != sums[0] for s in sums[1:]):
             raise RuntimeError("the worker ranks hold different weights")
-        return {"weight_version": self.weight_version, "checksums": sums[0]}
+        checksums: dict[str, str] = sums[0]
+        if action == "checksum":
+            return {"weight_version": self.weight_version, "checksums": checksums}
+        if not isinstance(baseline, dict) or not baseline:
+            raise ValueError("compare needs a baseline: {tensor name: sha256}")
+        mismatched = sorted(n for n, d in baseline.items() if n in checksums and checksums[n] != d)
+        unknown = sorted(n for n in baseline if n not in checksums)
+        return {
+            "weight_version": self.weight_version,
+            "match": not mismatched and not unknown,
+            "mismatched": mismatched,
+            "unknown": unknown,
+        }
 
     def _set_weight_version(self, version: int | str | None) -> None:
         if version is None:

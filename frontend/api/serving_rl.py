@@ -11,6 +11,8 @@
     GET  /weight_info                                     → {"weight_version"}
     GET  /get_world_size?include_dp=true                  → {"world_size"}
     POST /weight_checker {"action": "checksum"}           → {"weight_version", "checksums"}
+                         {"action": "compare", "baseline": {name: sha256}}
+                                                          → {"match", "mismatched", "unknown"}
     POST /abort_requests {"request_ids": [...]}           → {"status": "aborted", "aborted": n}
 
 The engine does the work (engine_core/core/training.py); these routes check
@@ -162,9 +164,16 @@ def build_router(engine: AsyncLLM) -> APIRouter:
         if not isinstance(body, dict) or not isinstance(body.get("action", "checksum"), str):
             raise APIError(400, "expected an object with a string `action`", "action")
         action = body.get("action", "checksum")
-        if action != "checksum":
-            raise APIError(400, f"action must be 'checksum', got {action!r}", "action")
-        return dict(await call("weight_checker", action))
+        if action not in ("checksum", "compare"):
+            raise APIError(400, f"action must be 'checksum' or 'compare', got {action!r}", "action")
+        baseline = body.get("baseline")
+        if action == "compare" and (
+            not isinstance(baseline, dict)
+            or not baseline
+            or not all(isinstance(v, str) for v in baseline.values())
+        ):
+            raise APIError(400, "compare needs a baseline: {tensor name: sha256}", "baseline")
+        return dict(await call("weight_checker", action, baseline))
 
     @router.post("/abort_requests")
     async def abort_requests(request: Request) -> dict[str, Any]:

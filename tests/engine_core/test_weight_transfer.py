@@ -116,6 +116,14 @@ def test_a_trainer_broadcasts_new_weights(
         assert checks["weight_version"] == 1
         for name, digest in sent["checksums"].items():
             assert checks["checksums"][name] == digest, name
+        compared = engine.weight_checker("compare", sent["checksums"])
+        assert compared["match"] and compared["mismatched"] == compared["unknown"] == []
+        wrong = {**sent["checksums"], "model.norm.weight": "0" * 64, "model.nope": "1"}
+        compared = engine.weight_checker("compare", wrong)
+        assert not compared["match"]
+        assert compared["mismatched"] == ["model.norm.weight"] and compared["unknown"] == [
+            "model.nope"
+        ]
     finally:
         engine.shutdown()
 
