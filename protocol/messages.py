@@ -56,6 +56,9 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     # Cached prefix blocks are shared only among requests with the same salt
     # (vLLM's cache_salt: one tenant cannot probe another's prompts by timing).
     cache_salt: str | None = None
+    # A transcription request (Whisper): little-endian float32 log-mel features
+    # [n_mels, 3000] (one 30 s window); prompt_token_ids are the decoder prompt.
+    encoder_features: bytes | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):

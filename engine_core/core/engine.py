@@ -77,15 +77,20 @@ class EngineCore(EngineUtilities, TrainingControls):
         tasks = supported_tasks(self.model_config, config.runner)
         budget = config.max_num_batched_tokens
         if budget is None:
-            budget = default_max_num_batched_tokens("generate" not in tasks, device_type(config))
+            budget = default_max_num_batched_tokens(tasks == ["embed"], device_type(config))
             self.config = config = replace(config, max_num_batched_tokens=budget)
         self.max_num_batched_tokens: int = budget
         self.executor = create_executor(config, self.model_config)
         worker = self.executor.collective_rpc("describe")[0]
         num_blocks = self.executor.initialize_kv_cache()
-        max_model_len = self._max_model_len(num_blocks, pooling_only="generate" not in tasks)
-        # An encoder's blocks are bookkeeping only: nothing there to find again.
-        prefix_caching = config.enable_prefix_caching and not self.model_config.is_encoder
+        max_model_len = self._max_model_len(num_blocks, pooling_only=tasks == ["embed"])
+        # An encoder's blocks are bookkeeping only: nothing there to find again; a
+        # Whisper decoder's cached tokens depend on their request's audio.
+        prefix_caching = (
+            config.enable_prefix_caching
+            and not self.model_config.is_encoder
+            and self.model_config.whisper is None
+        )
         self.lora = self._start_lora()
         self.scheduler = Scheduler(
             BlockManager(num_blocks, config.block_size, prefix_caching),
@@ -220,6 +225,7 @@ class EngineCore(EngineUtilities, TrainingControls):
             pooling_params=msg.pooling_params,
             lora_id=lora_id,
             cache_salt=msg.cache_salt,
+            encoder_features=msg.encoder_features,
         )
         constraint = msg.sampling_params.structured_outputs
         if constraint is not None and msg.pooling_params is None:
@@ -258,10 +264,16 @@ class EngineCore(EngineUtilities, TrainingControls):
     def _validate(self, msg: AddRequest) -> str | None:
         if msg.request_id in self.scheduler.requests:
             return f"request id {msg.request_id!r} is already in use"
-        task = "generate" if msg.pooling_params is None else msg.pooling_params.task
+        task = "generate" if msg.encoder_features is None else "transcription"
+        if msg.pooling_params is not None:
+            task = msg.pooling_params.task
         tasks = self.info.supported_tasks
         if task not in tasks:
             return f"this model does not support the {task!r} task; it supports {list(tasks)}"
+        if msg.encoder_features is not None:
+            error = self._validate_features(msg.encoder_features)
+            if error is not None:
+                return error
         n = len(msg.prompt_token_ids)
         if n == 0:
             return "the prompt is empty"
@@ -279,6 +291,19 @@ class EngineCore(EngineUtilities, TrainingControls):
                 msg.sampling_params.validate(vocab)
         except ValueError as e:
             return str(e)
+        return None
+
+    def _validate_features(self, features: bytes) -> str | None:
+        """A transcription request's log-mel window must have the model's shape."""
+        whisper = self.model_config.whisper
+        if whisper is None:
+            return "encoder_features are only accepted by an encoder-decoder model"
+        shape = (whisper.num_mel_bins, whisper.num_input_frames)
+        if len(features) != 4 * shape[0] * shape[1]:
+            return (
+                f"encoder_features must be float32 log-mel features of shape {list(shape)} "
+                f"({4 * shape[0] * shape[1]} bytes); got {len(features)} bytes"
+            )
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:

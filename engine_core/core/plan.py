@@ -31,6 +31,9 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     pooling_params: PoolingParams | None = None
     # The LoRA slot whose adapter the request runs with (0: the base model).
     lora_slot: int = 0
+    # A transcription request's log-mel features (AddRequest.encoder_features):
+    # the worker encodes them when it (re)admits the request.
+    encoder_features: bytes | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

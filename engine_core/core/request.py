@@ -40,8 +40,11 @@ class Request:
         pooling_params: PoolingParams | None = None,
         lora_id: int = 0,
         cache_salt: str | None = None,
+        encoder_features: bytes | None = None,
     ) -> None:
         self.request_id = request_id
+        # A transcription request's log-mel features, sent again after preemption.
+        self.encoder_features = encoder_features
         self.cache_salt = cache_salt
         self.client_id = client_id
         self.prompt_token_ids = list(prompt_token_ids)

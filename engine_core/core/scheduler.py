@@ -205,6 +205,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     pooling_params=request.pooling_params,
                     lora_slot=request.lora_slot,
+                    encoder_features=request.encoder_features,
                 )
             )
             self._runner_known.add(request.request_id)

@@ -17,6 +17,10 @@ def weight_pairs(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         from pagoda.engine_core.loaders.gguf import gguf_weights
 
         return gguf_weights(config)
+    if config.is_ctranslate2:
+        from pagoda.engine_core.loaders.ctranslate2 import ctranslate2_weights
+
+        return ctranslate2_weights(config.path)
     from pagoda.engine_core.loaders.safetensors import safetensors_weights
 
     return safetensors_weights(config.path)

@@ -20,13 +20,21 @@ DECODERS = {
     "MistralForCausalLM": "llama:LlamaModel",
     "Qwen2ForCausalLM": "llama:LlamaModel",
     "Qwen3ForCausalLM": "llama:LlamaModel",
+    # Mixtures of experts: the same decoder with models/moe.py's MLP.
+    "Qwen3MoeForCausalLM": "llama:LlamaModel",
+    "MixtralForCausalLM": "llama:LlamaModel",
 }
 ENCODERS = {
     "BertModel": "bert:BertModel",
+}
+# Encoder-decoders: run by worker/whisper_runner.py (`encode(features)`, then
+# `forward(..., segments)` with each request's cross-attention keys/values).
+ENCODER_DECODERS = {
+    "WhisperForConditionalGeneration": "whisper:WhisperForConditionalGeneration",
 }
 
 
 def model_class(architecture: str) -> Any:
     """The class that implements a supported architecture."""
-    module, _, name = {**DECODERS, **ENCODERS}[architecture].partition(":")
+    module, _, name = {**DECODERS, **ENCODERS, **ENCODER_DECODERS}[architecture].partition(":")
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -161,6 +161,8 @@ def check_pipeline_parallel(model_config: ModelConfig, size: int) -> None:
         return
     if model_config.is_encoder:
         raise ValueError("encoder (pooling) models run at --pipeline-parallel-size 1 only")
+    if model_config.whisper is not None:
+        raise ValueError("Whisper models run at --pipeline-parallel-size 1 only")
     if size > model_config.num_layers:
         raise ValueError(
             f"the model's {model_config.num_layers} layers cannot be split into "
@@ -175,6 +177,8 @@ def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
     mc = model_config
     if mc.is_encoder:
         raise ValueError("encoder (pooling) models run at --tensor-parallel-size 1 only")
+    if mc.whisper is not None:
+        raise ValueError("Whisper models run at --tensor-parallel-size 1 only")
     if mc.num_heads % size:
         raise ValueError(
             f"the model's {mc.num_heads} attention heads do not divide by "

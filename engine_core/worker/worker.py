@@ -52,7 +52,8 @@ def device_type(config: EngineConfig) -> str:
 
 
 class Worker:
-    """One rank: builds its runner (a decoder's ModelRunner or an encoder's EncoderRunner)."""
+    """One rank: builds its runner (a decoder's ModelRunner, an encoder's
+    EncoderRunner, or Whisper's WhisperRunner)."""
 
     def __init__(
         self,
@@ -79,6 +80,10 @@ class Worker:
         self.runner: ModelRunner | EncoderRunner
         if model_config.is_encoder:
             self.runner = EncoderRunner(config, model_config)
+        elif model_config.whisper is not None:
+            from pagoda.engine_core.worker.whisper_runner import WhisperRunner
+
+            self.runner = WhisperRunner(config, model_config)
         else:
             self.runner = ModelRunner(
                 config, rank_config(model_config, self.tp), self.tp, self.stage

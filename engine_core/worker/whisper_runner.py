@@ -1,0 +1,122 @@
+"""WhisperRunner: a ModelRunner for Whisper's encoder-decoder.
+
+The decoder runs as any decoder does (the plan's diffs, the flat batch, the
+paged KV cache, sampling: all ModelRunner's). What it adds is the audio: when
+a request is admitted (first, or again after preemption) the encoder runs
+once on its log-mel window, batched with the other requests admitted in the
+same step, and the decoder's cross-attention keys and values of that output
+are kept, per request, until the request finishes or is preempted. Each step
+the runner tells the model which flat tokens belong to which request, so each
+attends to its own audio. Eager only (no CUDA graphs), no LoRA, one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.plan import NewRequestData, SchedulePlan
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.models.whisper import CrossSegment, WhisperForConditionalGeneration
+from pagoda.engine_core.worker.model_runner import ModelRunner, _Inputs
+
+# Encoder passes batch at most this many requests (bounds the activations).
+MAX_ENCODER_BATCH = 8
+
+
+class WhisperRunner(ModelRunner):
+    """ModelRunner's decoder steps plus each request's encoder pass and cross-attention state."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        if config.enable_lora:
+            raise ValueError("LoRA adapters are not supported on Whisper models")
+        if config.dtype == "auto":
+            # float32 by default: greedy transcripts equal the float32 reference's.
+            config = replace(config, dtype="float32")
+        assert model_config.whisper is not None
+        self.cross_kv: dict[str, torch.Tensor] = {}  # request id → [layers, 2, heads, S, d]
+        self._to_encode: dict[str, bytes] = {}
+        self._segments: list[CrossSegment] = []
+        self.whisper: WhisperForConditionalGeneration  # set by _load_model
+        super().__init__(config, model_config)
+
+    def _load_model(self) -> Any:
+        model = WhisperForConditionalGeneration(
+            self.model_config, self.dtype, self.device, self.backend
+        )
+        model.load_weights(self._weight_pairs())
+        self.whisper = model  # self.model too, typed as ModelRunner's decoders
+        return model
+
+    def _capture_graphs(self, num_blocks: int) -> None:
+        return  # the cross-attention segments change every step: decode eagerly
+
+    def release_kv_cache(self) -> None:
+        self.cross_kv.clear()
+        self._to_encode.clear()
+        super().release_kv_cache()
+
+    # --------------------------------------------------------- request state
+
+    def _add_request(self, new: NewRequestData) -> None:
+        super()._add_request(new)
+        if new.encoder_features is None:
+            raise ValueError(f"request {new.request_id}: a Whisper request needs encoder_features")
+        self._to_encode[new.request_id] = new.encoder_features
+
+    def _forget(self, request_id: str) -> None:
+        super()._forget(request_id)
+        self.cross_kv.pop(request_id, None)
+        self._to_encode.pop(request_id, None)
+
+    def _apply_plan(self, plan: SchedulePlan) -> None:
+        super()._apply_plan(plan)
+        if self._to_encode:
+            self._encode_pending()
+
+    def _encode_pending(self) -> None:
+        """Run the encoder on the newly admitted requests' features, a batch at a time."""
+        whisper = self.model_config.whisper
+        assert whisper is not None
+        shape = (whisper.num_mel_bins, whisper.num_input_frames)
+        ids = list(self._to_encode)
+        for i in range(0, len(ids), MAX_ENCODER_BATCH):
+            batch = ids[i : i + MAX_ENCODER_BATCH]
+            features = torch.stack(
+                [
+                    torch.frombuffer(bytearray(self._to_encode[r]), dtype=torch.float32).view(shape)
+                    for r in batch
+                ]
+            ).to(device=self.device, dtype=self.dtype)  # [B, n_mels, frames]
+            cross = self.whisper.encode(features)  # [B, layers, 2, heads, S, d]
+            for request_id, kv in zip(batch, cross, strict=True):
+                self.cross_kv[request_id] = kv
+        self._to_encode.clear()
+
+    # ------------------------------------------------------------------ step
+
+    def _build_inputs(self, plan: SchedulePlan) -> _Inputs:
+        """ModelRunner's flat batch, and which of its tokens are whose."""
+        inputs = super()._build_inputs(plan)
+        # The same order as ModelRunner._build_inputs: decode rows first.
+        order = sorted(plan.num_scheduled_tokens, key=lambda r: plan.num_scheduled_tokens[r] != 1)
+        self._segments = []
+        start = 0
+        for request_id in order:
+            n = plan.num_scheduled_tokens[request_id]
+            self._segments.append(CrossSegment(start, n, self.cross_kv[request_id]))
+            start += n
+        return inputs
+
+    def _forward(self, inputs: _Inputs) -> torch.Tensor:
+        device = self.device
+        return self.whisper.forward(
+            torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
+            torch.tensor(inputs.positions, dtype=torch.long, device=device),
+            self.backend.build_metadata(inputs.attention),
+            self.kv_caches,
+            self._segments,
+        )
