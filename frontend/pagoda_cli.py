@@ -1,5 +1,6 @@
 """`pagoda serve`: one engine core and N API servers, supervised together;
-`pagoda run-batch`: a JSONL batch file answered offline (frontend/run_batch.py).
+`pagoda run-batch`: a JSONL batch file answered offline (frontend/run_batch.py);
+`pagoda bench`: the benchmarks (frontend/bench/).
 
 If any child exits (or is killed), the others are stopped and `pagoda`
 exits non-zero naming it; SIGINT or SIGTERM stops all of them. The runtime
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 from pagoda.engine_core.args import add_engine_args, engine_args_to_argv
 from pagoda.frontend.api.tool_calls import TOOL_CALL_PARSERS
+from pagoda.frontend.bench.cli import add_bench_args, run_bench
 from pagoda.frontend.cli import add_frontend_args, frontend_args_to_argv
 from pagoda.frontend.run_batch import add_run_batch_args, run_batch
 from pagoda.protocol.addresses import default_ipc_address, dp_addresses
@@ -184,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     batch.add_argument("--chat-template", default=None, help="a jinja template file or string")
     batch.add_argument("--enable-auto-tool-choice", action="store_true")
     batch.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None)
+    add_bench_args(sub.add_parser("bench", help="benchmark a server, or the engine offline"))
     keys = sub.add_parser("curve-keys", help="make CURVE keys for a tcp engine core")
     keys.add_argument("directory")
     ns = parser.parse_args(argv)
@@ -198,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             f"CURVE keys in {root}: engine-core --curve-keys {root}; api-server --curve-keys {root}"
         )
         return 0
+    if ns.command == "bench":
+        return run_bench(ns)
     if ns.command == "run-batch":
         if ns.enable_auto_tool_choice and not ns.tool_call_parser:
             parser.error("--enable-auto-tool-choice needs --tool-call-parser")

@@ -28,11 +28,11 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-try:
-    from scripts.sampling_flags import add_sampling_flags, describe_sampling, sampling_settings
-except ImportError:  # run as a file: scripts/ is on the path, the repository root is not
-    from sampling_flags import add_sampling_flags, describe_sampling, sampling_settings
-
+from pagoda.frontend.bench.sampling import (
+    add_sampling_flags,
+    describe_sampling,
+    sampling_settings,
+)
 
 # What a mixed batch holds, request by request in turn: greedy, the defaults,
 # a chat UI's settings, top-k, min-p, penalties, a seeded request.

@@ -9,6 +9,7 @@ FRONTEND_MODULES = (
     "pagoda.frontend",
     "pagoda.frontend.cli",
     "pagoda.frontend.pagoda_cli",
+    "pagoda.frontend.bench.cli",
     "pagoda.frontend.api.app",
     "pagoda.frontend.async_llm",
     "pagoda.frontend.engine_client",

@@ -1,4 +1,4 @@
-"""Sampling flags shared by the benchmark scripts, named as `vllm bench serve`'s.
+"""Sampling flags of `pagoda bench` (and scripts/profile_step.py), named as vLLM's.
 
 A flag left out is not sent (or set): the server's (or SamplingParams')
 default applies, as with vLLM's client. Every report prints the settings
@@ -42,8 +42,8 @@ def sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if v is not None}
 
 
-def describe_sampling(args: argparse.Namespace) -> str:
+def describe_sampling(args: argparse.Namespace, defaults: str = "server defaults") -> str:
     settings = sampling_settings(args)
     if not settings:
-        return "server defaults"
+        return defaults
     return " ".join(f"{k}={v}" for k, v in settings.items())

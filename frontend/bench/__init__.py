@@ -1,0 +1,1 @@
+"""`pagoda bench`: serving, offline throughput and latency benchmarks (see cli.py)."""
