@@ -398,7 +398,8 @@ def _moe_config(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
             sparse_layers=tuple(range(layers)),
         )
     if arch == "Qwen3MoeForCausalLM":
-        experts = int(raw["num_experts"])
+        # Published checkpoints say num_experts; newer transformers write num_local_experts.
+        experts = int(raw.get("num_experts") or raw["num_local_experts"])
         step = int(raw.get("decoder_sparse_step", 1) or 1)
         dense = set(raw.get("mlp_only_layers") or [])
         sparse = tuple(

@@ -15,6 +15,8 @@ def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor
 
     check_tensor_parallel(model_config, config.tensor_parallel_size)
     check_pipeline_parallel(model_config, config.pipeline_parallel_size)
+    if config.enable_lora and model_config.moe is not None:
+        raise ValueError("LoRA adapters on mixture-of-experts models are not supported yet")
     backend = config.executor_backend
     if backend == "uni":
         from pagoda.engine_core.executor.uni import UniExecutor

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from pagoda.engine_core.attention import AttentionBackend, select_backend
 from pagoda.engine_core.attention.backend import rms_norm_torch
 from pagoda.engine_core.model_config import ModelConfig, ModelLoadError
+from pagoda.engine_core.models.moe import MoELayer
 from pagoda.engine_core.worker.parallel import PipelineStage, TensorParallel
 from pagoda.kernels.linear import BlockWeight, Int4Weight, Linear, pack_int4
 
@@ -40,10 +41,11 @@ class DecoderLayer:
     qkv_proj: Linear
     o_proj: Linear
     post_attention_layernorm: torch.Tensor
-    gate_up_proj: Linear
-    down_proj: Linear
+    gate_up_proj: Linear | None  # None where the experts are the MLP
+    down_proj: Linear | None
     q_norm: torch.Tensor | None = None  # Qwen3
     k_norm: torch.Tensor | None = None
+    moe: MoELayer | None = None  # Qwen3-MoE, Mixtral
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -258,6 +260,36 @@ class LlamaModel:
             full = [p + n for n in names]
             return Linear(weight, bias, take_int4(*full), small_rows, take_blocks(*full), glu)
 
+        moe = cfg.moe
+        if moe is not None and i in moe.sparse_layers:
+            experts = range(moe.num_experts)
+            return DecoderLayer(
+                input_layernorm=take(p + "input_layernorm.weight"),
+                qkv_proj=linear(qkv, qkv_bias, "q_proj.weight", "k_proj.weight", "v_proj.weight"),
+                o_proj=linear(take(p + "o_proj.weight"), None, "o_proj.weight"),
+                post_attention_layernorm=take(p + "post_attention_layernorm.weight"),
+                gate_up_proj=None,
+                down_proj=None,
+                q_norm=take(p + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=take(p + "k_norm.weight") if cfg.qk_norm else None,
+                moe=MoELayer(
+                    router=take(p + "router.weight"),
+                    w13=torch.stack(
+                        [
+                            torch.cat(
+                                [
+                                    take(f"{p}experts.{e}.gate_proj.weight"),
+                                    take(f"{p}experts.{e}.up_proj.weight"),
+                                ]
+                            )
+                            for e in experts
+                        ]
+                    ),
+                    w2=torch.stack([take(f"{p}experts.{e}.down_proj.weight") for e in experts]),
+                    top_k=moe.top_k,
+                    renormalize=moe.renormalize,
+                ),
+            )
         return DecoderLayer(
             input_layernorm=take(p + "input_layernorm.weight"),
             qkv_proj=linear(qkv, qkv_bias, "q_proj.weight", "k_proj.weight", "v_proj.weight"),
@@ -346,12 +378,18 @@ class LlamaModel:
                 layer.post_attention_layernorm,
                 eps,
             )
-            # silu(gate) * up straight from the projection where its kernel
-            # does both (LoRA adds its delta to gate|up first).
-            act = None if lora is not None else layer.gate_up_proj.silu_and_mul(x)
-            if act is None:
-                act = backend.silu_and_mul(_project(layer.gate_up_proj, x, lora, i, "gate_up_proj"))
-            mlp = tp.all_reduce(_project(layer.down_proj, act, lora, i, "down_proj"))
+            if layer.moe is not None:
+                mlp = tp.all_reduce(layer.moe(x))
+            else:
+                assert layer.gate_up_proj is not None and layer.down_proj is not None
+                # silu(gate) * up straight from the projection where its kernel
+                # does both (LoRA adds its delta to gate|up first).
+                act = None if lora is not None else layer.gate_up_proj.silu_and_mul(x)
+                if act is None:
+                    act = backend.silu_and_mul(
+                        _project(layer.gate_up_proj, x, lora, i, "gate_up_proj")
+                    )
+                mlp = tp.all_reduce(_project(layer.down_proj, act, lora, i, "down_proj"))
             if n == last and not self.stage.is_last:
                 return torch.stack([mlp, residual])
             next_norm = self.norm if n == last else self.layers[n + 1].input_layernorm
@@ -463,6 +501,12 @@ def _project(
 
 _T = TypeVar("_T")
 _HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)?\.?(\w+)\.(weight|bias)$")
+# Mixture-of-experts names: Qwen3-MoE's mlp.gate / mlp.experts.E.{gate,up,down}_proj,
+# Mixtral's block_sparse_moe.gate / block_sparse_moe.experts.E.{w1,w3,w2}.
+_HF_MOE = re.compile(
+    r"^(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|experts\.(\d+)\.(\w+))\.weight$"
+)
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _short_name(name: str) -> str | None:
@@ -474,6 +518,12 @@ def _short_name(name: str) -> str | None:
         return "norm.weight"
     if name == "lm_head.weight":
         return name
+    moe = _HF_MOE.match(name)
+    if moe is not None:
+        layer, expert, kind = moe.groups()
+        if expert is None:
+            return f"layers.{layer}.router.weight"
+        return f"layers.{layer}.experts.{expert}.{_MIXTRAL_EXPERT.get(kind, kind)}.weight"
     m = _HF_LAYER.match(name)
     if m is None:
         return None

@@ -189,6 +189,11 @@ def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
             f"the model's {mc.num_kv_heads} KV heads and --tensor-parallel-size {size}: "
             "one must divide the other"
         )
+    if mc.moe is not None and mc.moe.intermediate_size % size:
+        raise ValueError(
+            f"the model's expert MLP size {mc.moe.intermediate_size} does not divide by "
+            f"--tensor-parallel-size {size}"
+        )
     if mc.intermediate_size % size:
         raise ValueError(
             f"the model's MLP size {mc.intermediate_size} does not divide by "
@@ -206,6 +211,11 @@ def rank_config(model_config: ModelConfig, tp: TensorParallel) -> ModelConfig:
         num_heads=mc.num_heads // tp.size,
         num_kv_heads=max(mc.num_kv_heads // tp.size, 1),
         intermediate_size=mc.intermediate_size // tp.size,
+        moe=(
+            dataclasses.replace(mc.moe, intermediate_size=mc.moe.intermediate_size // tp.size)
+            if mc.moe is not None
+            else None
+        ),
     )
 
 
