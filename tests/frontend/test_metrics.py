@@ -80,17 +80,37 @@ def test_metrics_exact_after_known_workload(tmp_path: object) -> None:
         assert "vllm:cache_config_info" in text
 
 
+def dashboard_queries(node: object) -> list[str]:
+    """Every PromQL string of a Grafana dashboard: panel targets (rows' panels too)
+    and the template variables' queries."""
+    if isinstance(node, list):
+        return [q for item in node for q in dashboard_queries(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [v for k, v in node.items() if k in ("expr", "query") and isinstance(v, str)]
+    return found + [q for v in node.values() for q in dashboard_queries(v)]
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names in a PromQL expression: a name before a selector or a range,
+    and any name with a colon (functions are followed by a parenthesis instead)."""
+    before_selector = re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?=[{\[])", expr)
+    with_colon = re.findall(r"\b[a-zA-Z_][a-zA-Z0-9_]*:[a-zA-Z0-9_:]+", expr)
+    return set(before_selector) | set(with_colon)
+
+
 def test_grafana_dashboard_uses_exported_metrics(server: Server) -> None:
-    """Every metric the dashboard in docs/grafana queries is served by /metrics."""
+    """Every metric the dashboard in docs/grafana queries is a series /metrics
+    serves, under the model_name label the dashboard filters on."""
     dashboard = json.loads((REPO / "docs" / "grafana" / "pagoda-dashboard.json").read_text())
-    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    used = {m for e in exprs for m in re.findall(r"vllm:[a-z_]+", e)}
+    queries = [q for q in dashboard_queries(dashboard) if q != "prometheus"]
+    used = {name for q in queries for name in promql_metric_names(q)}
+    # Labelled series appear once observed: one request first.
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
+    assert httpx.post(server.v1 + "/completions", json=body, timeout=60).status_code == 200
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    served = set(re.findall(r"^# TYPE (vllm:[a-z_]+)", text, re.M))
-    suffixes = ("_bucket", "_total", "_count", "_sum")
-    missing = {
-        m
-        for m in used
-        if m not in served and not any(m.endswith(s) and m[: -len(s)] in served for s in suffixes)
-    }
-    assert len(used) >= 12 and not missing, missing
+    samples = re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?", text, re.M)
+    served = {name for name, _ in samples}
+    labelled = {name for name, labels in samples if f'model_name="{MODEL_NAME}"' in labels}
+    assert len(used) >= 12 and not used - served, used - served
+    assert not used - labelled, used - labelled
