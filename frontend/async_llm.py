@@ -220,9 +220,12 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
         detokenize: bool = True,
         cache_salt: str | None = None,
+        encoder_features: bytes | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate from token ids; `detokenize=False` (or no tokenizer): outputs
-        carry token ids and no text, and stop strings are refused."""
+        carry token ids and no text, and stop strings are refused. With
+        `encoder_features` (a Whisper model's log-mel window, `AddRequest`'s
+        field) the prompt is the decoder's, and the task is "transcription"."""
         from pagoda.frontend.processor import ProcessedPrompt
 
         tokenizer = self._tokenizer if detokenize else None
@@ -241,6 +244,7 @@ class AsyncLLM:
             priority,
             lora_request,
             cache_salt,
+            encoder_features,
         )
         state = RequestState(request_id, prompt, prompt_token_ids, params, tokenizer, output_kind)
         queue: DeltaQueue = asyncio.Queue()

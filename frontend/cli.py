@@ -45,6 +45,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-request-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413"
     )
+    g.add_argument(
+        "--max-audio-file-bytes",
+        type=int,
+        default=25 << 20,
+        help="larger audio uploads get 413 (speech to text; the body limit grows to fit)",
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument(
         "--enable-auto-tool-choice",
@@ -143,6 +149,8 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         json.dumps(ns.allowed_headers),
         "--max-request-body-bytes",
         str(ns.max_request_body_bytes),
+        "--max-audio-file-bytes",
+        str(ns.max_audio_file_bytes),
     ]
     for key in ns.api_key or []:
         argv += ["--api-key", key]
@@ -217,6 +225,7 @@ async def serve(ns: argparse.Namespace) -> int:
         allowed_methods=tuple(ns.allowed_methods),
         allowed_headers=tuple(ns.allowed_headers),
         max_request_body_bytes=ns.max_request_body_bytes,
+        max_audio_file_bytes=ns.max_audio_file_bytes,
         tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
         metrics_require_auth=ns.metrics_require_auth,
         enable_admin_api=ns.enable_admin_api,

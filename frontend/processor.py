@@ -165,9 +165,11 @@ class Processor:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        encoder_features: bytes | None = None,
     ) -> tuple[SamplingParams, list[AddRequest]]:
-        """Validate and fan out; returns the effective params and the engine requests."""
-        self.check_task("generate")
+        """Validate and fan out; returns the effective params and the engine requests.
+        With `encoder_features` it is a transcription request (a Whisper model)."""
+        self.check_task("generate" if encoder_features is None else "transcription")
         check_priority(priority)
         num_prompt = len(prompt.prompt_token_ids)
         if num_prompt == 0:
@@ -202,6 +204,7 @@ class Processor:
                 priority=priority,
                 lora_request=lora_request,
                 cache_salt=cache_salt,
+                encoder_features=encoder_features,
             )
             for i in range(params.n)
         ]

@@ -3,7 +3,8 @@
 `build_app` creates the app, installs the middlewares and includes one
 router per route family (each `serving_*.py` module has its `build_router`).
 Which families it includes follows the tasks the engine's Ready lists:
-the generation routes for "generate", the pooling routes for "embed"; the
+the generation routes for "generate", the pooling routes for "embed", the
+audio routes (`serving_audio.py`) for "transcription" (a Whisper model); the
 routes of a task the model lacks answer 400 naming its tasks
 (`serving_refusals.py`). With --tokens-only (no tokenizer) it includes the
 token routes and those that need no tokenizer only.
@@ -21,11 +22,13 @@ refused):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from pagoda.frontend.api.audio_form import audio_body_limit
 from pagoda.frontend.api.body_guard import BodyGuard
 from pagoda.frontend.api.errors import install_error_handlers
 from pagoda.frontend.api.inflight import InFlight
@@ -34,6 +37,7 @@ from pagoda.frontend.api.middleware import RefuseWhileDraining, RequestIdAndSize
 from pagoda.frontend.api.security import install_auth
 from pagoda.frontend.api.serving_admin import build_router as build_admin_router
 from pagoda.frontend.api.serving_anthropic import build_router as build_anthropic_router
+from pagoda.frontend.api.serving_audio import build_router as build_audio_router
 from pagoda.frontend.api.serving_chat import ChatServer
 from pagoda.frontend.api.serving_completion import CompletionServer
 from pagoda.frontend.api.serving_generation import build_router as build_generation_router
@@ -71,6 +75,9 @@ class FrontendConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     max_request_body_bytes: int = 8 << 20
+    # An audio upload (speech to text) over this is a 413; a Whisper server's body
+    # limit grows to fit it.
+    max_audio_file_bytes: int = 25 << 20
     # Set only with --enable-auto-tool-choice: tool_choice "auto" is refused without it.
     tool_call_parser: str | None = None
     enable_admin_api: bool = False  # POST /collective_rpc
@@ -96,6 +103,9 @@ def build_app(
     app.state.engine = engine
     app.state.drain = in_flight.drain
     install_error_handlers(app)
+    if "transcription" in engine.ready.supported_tasks:
+        limit = audio_body_limit(config.max_request_body_bytes, config.max_audio_file_bytes)
+        config = dataclasses.replace(config, max_request_body_bytes=limit)
     _install_middleware(app, config, in_flight)
     for router in _routers(engine, config, in_flight, tool_servers):
         app.include_router(router)
@@ -164,4 +174,7 @@ def _routers(
         )
     if pooling is not None:
         routers.append(build_pooling_router(pooling, in_flight.counted))
+    if "transcription" in tasks:
+        audio_limit = config.max_audio_file_bytes
+        routers.append(build_audio_router(engine, served, audio_limit, in_flight.counted))
     return routers

@@ -1,7 +1,8 @@
 """The routes of a task the model lacks: 400 naming the tasks it has.
 
 An embedding model answers the generation routes this way, a generative one
-the pooling routes, so a client learns why instead of getting a 404.
+the pooling and audio routes, a Whisper model (task "transcription") the
+generation and pooling routes, so a client learns why instead of getting a 404.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from fastapi import APIRouter, Request, Response
 
 from pagoda.frontend.api.errors import APIError, error_response
+from pagoda.frontend.api.serving_audio import AUDIO_PATHS
 from pagoda.frontend.api.serving_pooling import POOLING_PATHS
 from pagoda.frontend.api.serving_scoring import SCORING_PATHS
 
@@ -25,7 +27,11 @@ GENERATION_PATHS = (
     *SCORING_PATHS,
 )
 # The routes of each task, for the model that lacks it.
-TASK_PATHS = {"generate": GENERATION_PATHS, "embed": POOLING_PATHS}
+TASK_PATHS = {
+    "generate": GENERATION_PATHS,
+    "embed": POOLING_PATHS,
+    "transcription": AUDIO_PATHS,
+}
 
 
 def unsupported_task(model: str, task: str, tasks: Sequence[str]) -> APIError:
