@@ -143,6 +143,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="stages the layers are split into",
     )
     g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixtures of experts: split the experts whole over the tensor-parallel ranks "
+        "instead of sharding each expert",
+    )
+    g.add_argument(
         "--distributed-executor-backend",
         default=None,
         choices=list(EXECUTOR_BACKENDS),
@@ -220,6 +226,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         max_lora_rank=ns.max_lora_rank,
         lora_modules=tuple(ns.lora_modules or ()),
         tensor_parallel_size=ns.tensor_parallel_size,
+        enable_expert_parallel=ns.enable_expert_parallel,
         pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         nnodes=ns.nnodes,

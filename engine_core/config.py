@@ -60,6 +60,9 @@ class EngineConfig:
     # tensor_parallel_size ranks and split into pipeline_parallel_size stages.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Mixtures of experts: experts split whole over the tensor-parallel ranks
+    # instead of each expert being sharded (vLLM's --enable-expert-parallel).
+    enable_expert_parallel: bool = False
     # uni | mp | ray | external_launcher; None: uni for one rank, mp for more.
     distributed_executor_backend: str | None = None
     # Several hosts (mp): the ranks are spread evenly over nnodes nodes; node 0

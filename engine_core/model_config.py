@@ -89,6 +89,9 @@ class MoeConfig:
     intermediate_size: int  # each expert's MLP size
     renormalize: bool  # the top-k weights rescaled to sum to one
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts'
+    # Expert parallelism: the experts [first, last + 1) one rank holds whole
+    # (parallel.rank_config sets it; None: every expert, split by tensor parallelism).
+    local_experts: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

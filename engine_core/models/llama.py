@@ -262,7 +262,7 @@ class LlamaModel:
 
         moe = cfg.moe
         if moe is not None and i in moe.sparse_layers:
-            experts = range(moe.num_experts)
+            experts = range(*(moe.local_experts or (0, moe.num_experts)))
             return DecoderLayer(
                 input_layernorm=take(p + "input_layernorm.weight"),
                 qkv_proj=linear(qkv, qkv_bias, "q_proj.weight", "k_proj.weight", "v_proj.weight"),
@@ -288,6 +288,7 @@ class LlamaModel:
                     w2=torch.stack([take(f"{p}experts.{e}.down_proj.weight") for e in experts]),
                     top_k=moe.top_k,
                     renormalize=moe.renormalize,
+                    first_expert=experts.start,
                 ),
             )
         return DecoderLayer(
@@ -447,6 +448,9 @@ class LlamaModel:
         """This rank's part of a whole-model weight (names as _short_name gives them)."""
         tp, head_dim = self.tp, self.config.head_dim
         kind = name.split(".")[-2]
+        moe = self.config.moe
+        if moe is not None and moe.local_experts is not None and ".experts." in name:
+            return tensor  # expert parallelism: a rank's experts are whole
         if kind in ("q_proj", "gate_proj", "up_proj"):
             return tensor[tp.split(tensor.shape[0])]
         if kind in ("k_proj", "v_proj"):

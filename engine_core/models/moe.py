@@ -6,7 +6,10 @@ SwiGLU MLP. The op groups the (token, expert) pairs by expert and runs one
 matmul pair per expert that has tokens, so the work is a loop over experts,
 never over tokens; the weighted outputs are added back per token. Under
 tensor parallelism every expert is split like a dense MLP (gate|up by
-rows, down by columns) and the caller's all-reduce adds the partial sums.
+rows, down by columns) and the caller's all-reduce adds the partial sums;
+under expert parallelism (--enable-expert-parallel) each rank instead holds
+whole experts, a contiguous share of them, computes its experts' part for
+every token, and the same all-reduce adds the ranks' parts.
 """
 
 from __future__ import annotations
@@ -26,10 +29,22 @@ class MoELayer:
     w2: torch.Tensor  # [num_experts, hidden, inter]
     top_k: int
     renormalize: bool
+    # Expert parallelism: this rank holds experts [first_expert, first_expert +
+    # len(w13)) whole and adds only their share; the caller's all-reduce sums the ranks'.
+    first_expert: int = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.router, self.top_k, self.renormalize)
-        return fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.w13.shape[0] == self.router.shape[0]:
+            return fused_moe(x, self.w13, self.w2, weights, ids)
+        # The pairs whose expert is here, with ids local to this rank.
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.w13.shape[0])
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        keep = mine.reshape(-1)
+        return grouped_experts(
+            x, self.w13, self.w2, tokens[keep], local.reshape(-1)[keep], weights.reshape(-1)[keep]
+        )
 
 
 def route(
@@ -53,11 +68,24 @@ def fused_moe(
 ) -> torch.Tensor:
     """sum over each token's experts of weight * down(silu(gate(x)) * up(x)), in x's dtype."""
     tokens, k = ids.shape
+    pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+    return grouped_experts(x, w13, w2, pair_token, ids.reshape(-1), weights.reshape(-1))
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    pair_token: torch.Tensor,  # [pairs]: each (token, expert) pair's token
+    pair_expert: torch.Tensor,  # [pairs]: its expert (an index into w13 / w2)
+    pair_weight: torch.Tensor,  # [pairs] float32
+) -> torch.Tensor:
+    """The pairs grouped by expert, one matmul pair per expert with pairs, the
+    weighted outputs added to their tokens."""
     inter = w2.shape[-1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token_of = order // k  # the token of each (token, expert) pair, grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    order = torch.argsort(pair_expert, stable=True)
+    token_of = pair_token.index_select(0, order)
+    counts = torch.bincount(pair_expert, minlength=w13.shape[0]).tolist()
     grouped = x.index_select(0, token_of)
     out_rows = torch.empty_like(grouped)
     start = 0
@@ -69,7 +97,7 @@ def fused_moe(
         act = F.silu(h[:, :inter]) * h[:, inter:]
         out_rows[start : start + n] = act @ w2[expert].t()
         start += n
-    scale = weights.reshape(-1).index_select(0, order).to(x.dtype)
+    scale = pair_weight.index_select(0, order).to(x.dtype)
     out = torch.zeros_like(x)
     out.index_add_(0, token_of, out_rows * scale[:, None])
     return out

@@ -170,11 +170,15 @@ def check_pipeline_parallel(model_config: ModelConfig, size: int) -> None:
         )
 
 
-def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
+def check_tensor_parallel(
+    model_config: ModelConfig, size: int, expert_parallel: bool = False
+) -> None:
     """ValueError unless the model can be sharded over `size` ranks."""
+    mc = model_config
+    if expert_parallel and mc.moe is None:
+        raise ValueError("--enable-expert-parallel needs a mixture-of-experts model")
     if size == 1:
         return
-    mc = model_config
     if mc.is_encoder:
         raise ValueError("encoder (pooling) models run at --tensor-parallel-size 1 only")
     if mc.whisper is not None:
@@ -189,7 +193,12 @@ def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
             f"the model's {mc.num_kv_heads} KV heads and --tensor-parallel-size {size}: "
             "one must divide the other"
         )
-    if mc.moe is not None and mc.moe.intermediate_size % size:
+    if expert_parallel and mc.moe is not None and mc.moe.num_experts % size:
+        raise ValueError(
+            f"the model's {mc.moe.num_experts} experts do not divide by "
+            f"--tensor-parallel-size {size} (--enable-expert-parallel)"
+        )
+    if not expert_parallel and mc.moe is not None and mc.moe.intermediate_size % size:
         raise ValueError(
             f"the model's expert MLP size {mc.moe.intermediate_size} does not divide by "
             f"--tensor-parallel-size {size}"
@@ -201,21 +210,26 @@ def check_tensor_parallel(model_config: ModelConfig, size: int) -> None:
         )
 
 
-def rank_config(model_config: ModelConfig, tp: TensorParallel) -> ModelConfig:
-    """The model config as one rank sees it: its heads and its share of the MLP."""
+def rank_config(
+    model_config: ModelConfig, tp: TensorParallel, expert_parallel: bool = False
+) -> ModelConfig:
+    """The model config as one rank sees it: its heads and its share of the MLP
+    (with expert parallelism, its experts whole)."""
     if tp.size == 1:
         return model_config
     mc = model_config
+    moe = mc.moe
+    if moe is not None and expert_parallel:
+        share = moe.num_experts // tp.size
+        moe = dataclasses.replace(moe, local_experts=(tp.rank * share, (tp.rank + 1) * share))
+    elif moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp.size)
     return dataclasses.replace(
         mc,
         num_heads=mc.num_heads // tp.size,
         num_kv_heads=max(mc.num_kv_heads // tp.size, 1),
         intermediate_size=mc.intermediate_size // tp.size,
-        moe=(
-            dataclasses.replace(mc.moe, intermediate_size=mc.moe.intermediate_size // tp.size)
-            if mc.moe is not None
-            else None
-        ),
+        moe=moe,
     )
 
 

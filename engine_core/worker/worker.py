@@ -67,7 +67,7 @@ class Worker:
         self.config = config
         self.rank = rank
         size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
-        check_tensor_parallel(model_config, size)
+        check_tensor_parallel(model_config, size, config.enable_expert_parallel)
         check_pipeline_parallel(model_config, stages)
         self.stage = pipeline_stage(model_config.num_layers, size, stages, rank)
         group = tensor_parallel_groups(size, stages, rank)
@@ -86,7 +86,10 @@ class Worker:
             self.runner = WhisperRunner(config, model_config)
         else:
             self.runner = ModelRunner(
-                config, rank_config(model_config, self.tp), self.tp, self.stage
+                config,
+                rank_config(model_config, self.tp, config.enable_expert_parallel),
+                self.tp,
+                self.stage,
             )
         self._profiler: torch.profiler.profile | None = None
 

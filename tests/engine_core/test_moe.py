@@ -85,8 +85,12 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("tp", [1, 2])
-def test_greedy_tokens_match_transformers(moe_models: dict[str, Path], kind: str, tp: int) -> None:
+@pytest.mark.parametrize(("tp", "ep"), [(1, False), (2, False), (2, True)])
+def test_greedy_tokens_match_transformers(
+    moe_models: dict[str, Path], kind: str, tp: int, ep: bool
+) -> None:
+    """One rank; two ranks each with half of every expert; two ranks each with
+    half of the experts whole (expert parallelism)."""
     path = moe_models[kind]
     config = load_model_config(str(path))
     assert config.moe is not None
@@ -101,6 +105,7 @@ def test_greedy_tokens_match_transformers(moe_models: dict[str, Path], kind: str
             max_num_batched_tokens=32,  # prompts are chunked
             num_threads=NUM_THREADS,
             tensor_parallel_size=tp,
+            enable_expert_parallel=ep,
         )
     )
     try:
@@ -125,5 +130,17 @@ def test_lora_on_experts_is_refused_clearly(moe_models: dict[str, Path]) -> None
                 kv_cache_memory_bytes=4 << 20,
                 num_threads=NUM_THREADS,
                 enable_lora=True,
+            )
+        )
+
+
+def test_expert_parallel_needs_experts_that_divide(moe_models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="6 experts do not divide by --tensor-parallel-size 4"):
+        EngineCore(
+            EngineConfig(
+                model=str(moe_models["mixtral"]),
+                dtype="float32",
+                tensor_parallel_size=4,
+                enable_expert_parallel=True,
             )
         )
