@@ -18,10 +18,11 @@ run() {  # $1 = api server count, $2 = round
     kill -0 $pid || { cat "$OUT/serve_n$1.log"; exit 1; }
     sleep 0.2
   done
-  $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts 32 \
-    --input-len 32 --output-len 1 --max-concurrency 64 > /dev/null  # warm-up
-  $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts "$PROMPTS" \
-    --input-len 32 --output-len 1 --max-concurrency 64 --json "$OUT/api_servers_n$1_r$2.json" \
+  local B="$PY -m pagoda.frontend.pagoda_cli bench serve --base-url http://127.0.0.1:$PORT --random-input-len 32
+    --random-output-len 1 --max-concurrency 64 --disable-tqdm"
+  $B --num-prompts 32 > /dev/null  # warm-up
+  $B --num-prompts "$PROMPTS" --save-result --result-dir "$OUT" \
+    --result-filename "api_servers_n$1_r$2.json" \
     | grep -i "request throughput" | sed "s/^/N=$1 round $2: /"
   kill -TERM $pid; wait $pid || true
 }

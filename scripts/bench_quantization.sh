@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Dense bf16 against --quantization gguf, side by side: `pagoda serve` with
 # the default model, alternated ${ROUNDS:-2} times, each running
-# scripts/bench_serving.py at concurrency 1 and 4 (128 -> 128, 16 prompts).
+# `pagoda bench serve` at concurrency 1 and 4 (128 -> 128, 16 prompts).
 # JSON reports land in ${OUT:-docs/bench}/quant_{dense,gguf}_c{1,4}_r{N}.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +23,9 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     done
     for c in 1 4; do
       echo "== round $round, $mode, concurrency $c"
-      $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts 16 \
-        --max-concurrency $c --json "$OUT/quant_${mode}_c${c}_r${round}.json" | grep -E "tok/s|TTFT|ITL" || true
+      $PY -m pagoda.frontend.pagoda_cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 16 \
+        --random-input-len 128 --random-output-len 128 --max-concurrency $c --disable-tqdm \
+        --save-result --result-dir "$OUT" --result-filename "quant_${mode}_c${c}_r${round}.json" | grep -E "tok/s|TTFT|ITL" || true
     done
     kill -TERM $pid; wait $pid || true
     pid=

@@ -24,7 +24,7 @@
 #
 # CLIENT=vllm drives both servers with vLLM's own client, `vllm bench serve`
 # (through scripts/vllm_cli.sh and VLLM_PY), instead of
-# scripts/bench_serving.py; HF_DIR gives it the tokenizer:
+# `pagoda bench serve`; HF_DIR gives it the tokenizer:
 #
 #   CLIENT=vllm VLLM_PY=/tmp/vllmenv/bin/python HF_DIR=/tmp/smollm2-bf16 \
 #       SAMPLING="--temperature 0" scripts/bench_serving_alternated.sh
@@ -87,8 +87,9 @@ for port in "$VPORT" "$PPORT"; do
     kill -0 "$vpid" && kill -0 "$ppid" || { tail -20 "$OUT"/*.log; exit 1; }
     sleep 1
   done
-  $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --num-prompts 8 \
-    --max-concurrency 8 --output-len 16 --seed 100 > /dev/null
+  $PY -m pagoda.frontend.pagoda_cli bench serve --base-url "http://127.0.0.1:$port" --num-prompts 8 \
+    --max-concurrency 8 --random-input-len 128 --random-output-len 16 --seed 100 \
+    --disable-tqdm > /dev/null
 done
 
 model_of() {  # the id a server lists first under /v1/models
@@ -121,16 +122,17 @@ for round in $(seq "$ROUNDS"); do
           --result-dir "$OUT" --result-filename "$(basename "$report")" "${sampling[@]}" \
           > "${report%.json}.txt" 2>&1
       else
-        $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --num-prompts "$prompts" \
-          --input-len "${in_len:-128}" --output-len "${out_len:-128}" \
-          --max-concurrency "$conc" --seed "$seed" --json "$report" "${sampling[@]}" > /dev/null
+        $PY -m pagoda.frontend.pagoda_cli bench serve --base-url "http://127.0.0.1:$port" --num-prompts "$prompts" \
+          --random-input-len "${in_len:-128}" --random-output-len "${out_len:-128}" \
+          --max-concurrency "$conc" --seed "$seed" --disable-tqdm --save-result \
+          --result-dir "$OUT" --result-filename "$(basename "$report")" "${sampling[@]}" > /dev/null
       fi
       $PY - "$report" "$round" "${name%_s*}" "$set" "$system" <<'PYEOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-# scripts/bench_serving.py's report, or `vllm bench serve`'s
-ttft = r["ttft_ms"]["median"] if "ttft_ms" in r else r["median_ttft_ms"]
-itl = r["itl_ms"]["median"] if "itl_ms" in r else r["median_itl_ms"]
+# `pagoda bench serve` and `vllm bench serve` write the same fields
+ttft = r["median_ttft_ms"]
+itl = r["median_itl_ms"]
 print(f"{sys.argv[2]:<6} {sys.argv[3]:<12} {sys.argv[4]:<3} {sys.argv[5]:<7}"
       f" {r['output_throughput']:>10.1f} {r['request_throughput']:>8.2f} {ttft:>9.0f}"
       f" {itl:>8.1f}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Online side by side on this machine: vLLM CPU's OpenAI server, then
 # `pagoda serve`, each started in turn on the same weights, each measured
-# with the same client (scripts/bench_serving.py) on the same loads as
+# with the same client (`pagoda bench serve`) on the same loads as
 # bench_serving_suite.sh: 128 -> 128 at concurrency 1, 16 and 64, and
 # 32 -> 1 at concurrency 64. A warm-up of 8 requests precedes each server's
 # runs. JSON reports land in ${OUT:-docs/bench}/side_{vllm,pagoda}_*.json.
@@ -32,13 +32,14 @@ wait_health() {  # pid log
 # Each load draws its own prompts (--seed), so none finds another's prefix
 # in a server's prefix cache, the warm-up's included.
 run_loads() {  # label
-  local B="$PY scripts/bench_serving.py --base-url http://127.0.0.1:$PORT"
-  $B --num-prompts 8 --max-concurrency 8 --output-len 16 --seed 100 > /dev/null
-  $B --num-prompts 16 --max-concurrency 1 --seed 1 --json "$OUT/side_$1_c1.json"
-  $B --num-prompts 64 --max-concurrency 16 --seed 2 --json "$OUT/side_$1_c16.json"
-  $B --num-prompts 128 --max-concurrency 64 --seed 3 --json "$OUT/side_$1_c64.json"
-  $B --num-prompts 400 --input-len 32 --output-len 1 --max-concurrency 64 --seed 4 \
-    --json "$OUT/side_$1_short.json"
+  local B="$PY -m pagoda.frontend.pagoda_cli bench serve --base-url http://127.0.0.1:$PORT --random-input-len 128
+    --random-output-len 128 --disable-tqdm --result-dir $OUT"
+  $B --num-prompts 8 --max-concurrency 8 --random-output-len 16 --seed 100 > /dev/null
+  $B --num-prompts 16 --max-concurrency 1 --seed 1 --save-result --result-filename "side_$1_c1.json"
+  $B --num-prompts 64 --max-concurrency 16 --seed 2 --save-result --result-filename "side_$1_c16.json"
+  $B --num-prompts 128 --max-concurrency 64 --seed 3 --save-result --result-filename "side_$1_c64.json"
+  $B --num-prompts 400 --random-input-len 32 --random-output-len 1 --max-concurrency 64 --seed 4 \
+    --save-result --result-filename "side_$1_short.json"
 }
 
 stop() { kill -TERM "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
@@ -73,10 +74,10 @@ for load in ("c1", "c16", "c64", "short"):
         r = json.load(open(f"{out}/side_{system}_{load}.json"))
         rows[system] = r
         print(f"{load:<10}{system:<8}{r['output_throughput']:>10.1f}{r['request_throughput']:>8.2f}"
-              f"{r['ttft_ms']['median']:>10.0f}{r['itl_ms']['median']:>9.1f}")
+              f"{r['median_ttft_ms']:>10.0f}{r['median_itl_ms']:>9.1f}")
     v, p = rows["vllm"], rows["pagoda"]
     print(f"{load:<10}{'ratio':<8}{p['output_throughput'] / v['output_throughput']:>10.2f}"
           f"{p['request_throughput'] / v['request_throughput']:>8.2f}"
-          f"{p['ttft_ms']['median'] / v['ttft_ms']['median']:>10.2f}"
-          + (f"{p['itl_ms']['median'] / v['itl_ms']['median']:>9.2f}" if v['itl_ms']['median'] else ""))
+          f"{p['median_ttft_ms'] / v['median_ttft_ms']:>10.2f}"
+          + (f"{p['median_itl_ms'] / v['median_itl_ms']:>9.2f}" if v['median_itl_ms'] else ""))
 PYEOF

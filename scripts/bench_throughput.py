@@ -1,5 +1,9 @@
 """Offline throughput: Pagoda's LLM.generate and HF transformers on identical prompts.
 
+Pagoda alone: `pagoda bench throughput --temperature 0 --max-num-batched-tokens
+4096` runs the same W1 (same prompts). This script is the comparison harness:
+HF transformers in the same run, the decode-step split, the pipeline depth.
+
 Workload W1 by default: 64 requests x 128 random prompt tokens -> 128 output
 tokens, greedy, ignore_eos, on the default model. Both systems run in this
 one invocation so that the printed ratio compares them on the same machine
@@ -19,15 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from typing import Any
 
-
-def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Skip the low ids, where this vocabulary keeps its special tokens.
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(num)]
+from pagoda.frontend.bench.datasets import random_token_prompts
 
 
 def bench_pagoda(
@@ -135,10 +134,10 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
+    prompts = random_token_prompts(args.num_prompts, args.input_len, 49152, args.seed)
     fresh = None
     if args.decode_step:
-        fresh = make_prompts(args.num_prompts, args.input_len, 49152, args.seed + 1)
+        fresh = random_token_prompts(args.num_prompts, args.input_len, 49152, args.seed + 1)
     results = [
         bench_pagoda(
             prompts,
