@@ -98,6 +98,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "/inference/v1/abort_requests (with health, models, metrics, control routes)",
     )
     g.add_argument(
+        "--disable-web-ui",
+        action="store_true",
+        help="serve no chat page at / (the API and the /docs pages stay)",
+    )
+    g.add_argument(
         "--max-inflight-requests",
         type=int,
         default=None,
@@ -172,6 +177,8 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--admin-api-key", ns.admin_api_key]
     if ns.tokens_only:
         argv.append("--tokens-only")
+    if ns.disable_web_ui:
+        argv.append("--disable-web-ui")
     if ns.max_inflight_requests is not None:
         argv += ["--max-inflight-requests", str(ns.max_inflight_requests)]
     argv += ["--http-header-timeout", str(ns.http_header_timeout)]
@@ -233,6 +240,7 @@ async def serve(ns: argparse.Namespace) -> int:
         admin_api_key=ns.admin_api_key,
         max_inflight_requests=ns.max_inflight_requests,
         tokens_only=ns.tokens_only,
+        enable_web_ui=not ns.disable_web_ui,
     )
     if ns.enable_admin_api and not ns.admin_api_key:
         log.warning("--enable-admin-api without --admin-api-key: /collective_rpc is open")

@@ -7,7 +7,9 @@ the generation routes for "generate", the pooling routes for "embed", the
 audio routes (`serving_audio.py`) for "transcription" (a Whisper model); the
 routes of a task the model lacks answer 400 naming its tasks
 (`serving_refusals.py`). With --tokens-only (no tokenizer) it includes the
-token routes and those that need no tokenizer only.
+token routes and those that need no tokenizer only. The web UI (`serving_ui.py`,
+at /, unless --disable-web-ui) and the docs pages (`serving_docs.py`, /docs
+and /redoc, served from here rather than a CDN) come with every app.
 
 Middlewares, outermost first; each is plain ASGI and covers HTTP and
 WebSocket scopes (see `middleware.py` for how a WebSocket handshake is
@@ -40,6 +42,8 @@ from pagoda.frontend.api.serving_anthropic import build_router as build_anthropi
 from pagoda.frontend.api.serving_audio import build_router as build_audio_router
 from pagoda.frontend.api.serving_chat import ChatServer
 from pagoda.frontend.api.serving_completion import CompletionServer
+from pagoda.frontend.api.serving_docs import build_router as build_docs_router
+from pagoda.frontend.api.serving_docs import docs_paths
 from pagoda.frontend.api.serving_generation import build_router as build_generation_router
 from pagoda.frontend.api.serving_lora import build_router as build_lora_router
 from pagoda.frontend.api.serving_metrics import build_router as build_metrics_router
@@ -55,6 +59,8 @@ from pagoda.frontend.api.serving_scoring import build_router as build_scoring_ro
 from pagoda.frontend.api.serving_tokenize import build_router as build_tokenize_router
 from pagoda.frontend.api.serving_tokens import TokensServer
 from pagoda.frontend.api.serving_tokens import build_router as build_tokens_router
+from pagoda.frontend.api.serving_ui import asset_paths
+from pagoda.frontend.api.serving_ui import build_router as build_ui_router
 from pagoda.frontend.async_llm import AsyncLLM
 
 # Paths that answer while the server drains: monitoring sees the shutdown through.
@@ -89,6 +95,12 @@ class FrontendConfig:
     metrics_require_auth: bool = False
     # No tokenizer: the /inference/v1 token routes only (serving_tokens.py).
     tokens_only: bool = False
+    # The chat page at / (serving_ui.py); off with --disable-web-ui and with tokens_only.
+    enable_web_ui: bool = True
+
+    @property
+    def serves_web_ui(self) -> bool:
+        return self.enable_web_ui and not self.tokens_only
 
 
 def build_app(
@@ -98,7 +110,8 @@ def build_app(
 
     `app.state.drain(timeout)` drains it (SIGTERM); `app.state.engine` is the AsyncLLM.
     """
-    app = FastAPI(title="Pagoda", version=VERSION)
+    # FastAPI's own docs pages load their scripts from a CDN: serving_docs.py replaces them.
+    app = FastAPI(title="Pagoda", version=VERSION, docs_url=None, redoc_url=None)
     in_flight = InFlight(engine, config.max_inflight_requests)
     app.state.engine = engine
     app.state.drain = in_flight.drain
@@ -115,7 +128,10 @@ def build_app(
 def _install_middleware(app: FastAPI, config: FrontendConfig, in_flight: InFlight) -> None:
     # Each add_middleware wraps the ones before it: the first added runs innermost.
     app.add_middleware(BodyGuard, max_bytes=config.max_request_body_bytes)
-    install_auth(app, config.api_keys, config.admin_api_key, config.metrics_require_auth)
+    static_paths = docs_paths() | (asset_paths() if config.serves_web_ui else frozenset())
+    install_auth(
+        app, config.api_keys, config.admin_api_key, config.metrics_require_auth, static_paths
+    )
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -149,6 +165,7 @@ def _routers(
             *([build_rl_router(engine)] if config.enable_rl_api else []),
             *([build_lora_router(engine, served)] if engine.ready.enable_lora else []),
             tokens,
+            build_docs_router(),
         ]
     chat = ChatServer(engine, served, config.tool_call_parser)
     completions = CompletionServer(engine, served)
@@ -161,6 +178,8 @@ def _routers(
         build_admin_router(engine, config.enable_admin_api),
         *([build_rl_router(engine)] if config.enable_rl_api else []),
         build_refusals_router(served[0], tasks),
+        build_docs_router(),
+        *([build_ui_router(tasks)] if config.serves_web_ui else []),
     ]
     if engine.ready.enable_lora:
         routers.append(build_lora_router(engine, served))

@@ -1,7 +1,8 @@
 """Who may call what: the API-key and admin-key checks run before every route.
 
-With --api-key set, every route but the open ones (/health, /ping, /version
-and, unless --metrics-require-auth, /metrics) needs one of the keys, as a
+With --api-key set, every route but the open ones (/health, /ping, /version,
+unless --metrics-require-auth /metrics, and the static files of the web UI
+and the docs pages, each by its exact path) needs one of the keys, as a
 bearer token or in X-API-Key. With --admin-api-key set, the engine-control
 and LoRA-admin routes need that key and only it: an API key is not enough.
 Keys are compared in constant time. CORS preflights (OPTIONS) pass through.
@@ -59,13 +60,19 @@ def install_auth(
     api_keys: tuple[str, ...],
     admin_api_key: str | None,
     metrics_require_auth: bool,
+    static_paths: frozenset[str] = frozenset(),
 ) -> None:
-    """Add the key-checking middleware to `app`; nothing when no key is configured."""
+    """Add the key-checking middleware to `app`; nothing when no key is configured.
+
+    `static_paths` are the exact paths of pages and assets that hold no data
+    (the web UI's, the docs'): they load without a key, and the API calls they
+    make carry one.
+    """
     if not api_keys and not admin_api_key:
         return
     keys = [k.encode() for k in api_keys]
     admin_key = admin_api_key.encode() if admin_api_key else None
-    open_paths = OPEN_PATHS - ({"/metrics"} if metrics_require_auth else set())
+    open_paths = (OPEN_PATHS - ({"/metrics"} if metrics_require_auth else set())) | static_paths
 
     app.add_middleware(KeyCheck, keys=keys, admin_key=admin_key, open_paths=open_paths)
 
