@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint typecheck pytest clean
+.PHONY: install serve test lint typecheck pytest browser clean
 
 install: $(STAMP)
 
@@ -31,7 +31,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+# Headless Chromium for the web UI's browser tests (tests/frontend/test_web_ui.py),
+# from Debian when missing and apt-get can install it; never fails the build:
+# without the browser those tests skip and say why.
+browser:
+	@if [ ! -x /usr/bin/chromedriver ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium and chromium-driver for the browser tests"; \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			chromium chromium-driver) >/dev/null 2>&1 \
+			|| echo "could not install chromium: the browser tests will skip"; \
+	fi
+
+pytest: $(STAMP) browser
 	$(PY) -m pytest -q -x --durations=15
 
 test: lint typecheck pytest
