@@ -15,6 +15,7 @@ every token, and the same all-reduce adds the ranks' parts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,8 @@ class MoELayer:
         mine = (local >= 0) & (local < self.w13.shape[0])
         tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
         keep = mine.reshape(-1)
-        return grouped_experts(
+        op = _grouped_op(x)
+        return op(
             x, self.w13, self.w2, tokens[keep], local.reshape(-1)[keep], weights.reshape(-1)[keep]
         )
 
@@ -69,7 +71,17 @@ def fused_moe(
     """sum over each token's experts of weight * down(silu(gate(x)) * up(x)), in x's dtype."""
     tokens, k = ids.shape
     pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
-    return grouped_experts(x, w13, w2, pair_token, ids.reshape(-1), weights.reshape(-1))
+    op = _grouped_op(x)
+    return op(x, w13, w2, pair_token, ids.reshape(-1), weights.reshape(-1))
+
+
+def _grouped_op(x: torch.Tensor) -> Any:
+    """The Triton kernel on CUDA (kernels/triton_ops/moe.py), the torch op elsewhere."""
+    if x.is_cuda:
+        from pagoda.kernels.triton_ops.moe import grouped_experts as triton_grouped
+
+        return triton_grouped
+    return grouped_experts
 
 
 def grouped_experts(
