@@ -342,6 +342,7 @@ class ModelRunner(RunnerUtilities):
             start = state.num_computed_tokens
             end = start + n
             flat_start = len(inputs.input_ids)
+            inputs.rows.append((request_id, flat_start, n))
             inputs.input_ids.extend(state.token_ids[start:end])
             inputs.positions.extend(range(start, end))
             inputs.token_slots.extend([state.lora_slot] * n)
@@ -483,6 +484,7 @@ class _Inputs:
     attention: StepBatch
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    rows: list[tuple[str, int, int]] = field(default_factory=list)  # (id, flat start, n)
     token_slots: list[int] = field(default_factory=list)  # each flat token's LoRA slot
     sample_ids: list[str] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)  # flat index of each sampled row

@@ -39,7 +39,6 @@ class WhisperRunner(ModelRunner):
         assert model_config.whisper is not None
         self.cross_kv: dict[str, torch.Tensor] = {}  # request id → [layers, 2, heads, S, d]
         self._to_encode: dict[str, bytes] = {}
-        self._segments: list[CrossSegment] = []
         self.whisper: WhisperForConditionalGeneration  # set by _load_model
         super().__init__(config, model_config)
 
@@ -98,25 +97,15 @@ class WhisperRunner(ModelRunner):
 
     # ------------------------------------------------------------------ step
 
-    def _build_inputs(self, plan: SchedulePlan) -> _Inputs:
-        """ModelRunner's flat batch, and which of its tokens are whose."""
-        inputs = super()._build_inputs(plan)
-        # The same order as ModelRunner._build_inputs: decode rows first.
-        order = sorted(plan.num_scheduled_tokens, key=lambda r: plan.num_scheduled_tokens[r] != 1)
-        self._segments = []
-        start = 0
-        for request_id in order:
-            n = plan.num_scheduled_tokens[request_id]
-            self._segments.append(CrossSegment(start, n, self.cross_kv[request_id]))
-            start += n
-        return inputs
-
     def _forward(self, inputs: _Inputs) -> torch.Tensor:
+        """The decoder over ModelRunner's flat batch, each request's tokens
+        attending to its own audio."""
         device = self.device
+        segments = [CrossSegment(start, n, self.cross_kv[r]) for r, start, n in inputs.rows]
         return self.whisper.forward(
             torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
             torch.tensor(inputs.positions, dtype=torch.long, device=device),
             self.backend.build_metadata(inputs.attention),
             self.kv_caches,
-            self._segments,
+            segments,
         )

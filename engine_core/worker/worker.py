@@ -30,6 +30,7 @@ from pagoda.engine_core.worker.parallel import (
     shared_memory_all_reduce,
     tensor_parallel_groups,
 )
+from pagoda.engine_core.worker.whisper_runner import WhisperRunner
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
@@ -81,8 +82,6 @@ class Worker:
         if model_config.is_encoder:
             self.runner = EncoderRunner(config, model_config)
         elif model_config.whisper is not None:
-            from pagoda.engine_core.worker.whisper_runner import WhisperRunner
-
             self.runner = WhisperRunner(config, model_config)
         else:
             self.runner = ModelRunner(
@@ -136,6 +135,8 @@ class Worker:
         runner = self.runner
         if isinstance(runner, EncoderRunner):
             raise RuntimeError("sleep mode is not supported for encoder (pooling) models")
+        if isinstance(runner, WhisperRunner):
+            raise RuntimeError("sleep mode is not supported for Whisper models")
         runner.release_kv_cache()
         runner.offload_weights(keep_copy=level == 1, spill_dir=spill_dir)
 
@@ -197,6 +198,6 @@ class Worker:
             self.tp.shm.close()
 
     def _decoder(self, what: str) -> ModelRunner:
-        if isinstance(self.runner, EncoderRunner):
+        if isinstance(self.runner, EncoderRunner | WhisperRunner):
             raise ValueError(f"{what} are supported on Llama-family decoders only")
         return self.runner
