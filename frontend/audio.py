@@ -44,6 +44,8 @@ OVERLAP_SECONDS = 1
 # The stretch whose energy is compared when looking for a quiet cut: 0.1 s.
 QUIET_WINDOW_SAMPLES = 1600
 SUPPORTED_FORMATS = ("WAV", "FLAC", "OGG", "MP3")
+# A WAV data size at least this large is a streaming writer's placeholder.
+UNKNOWN_WAV_LENGTH = 0x7FFF0000
 
 Samples = npt.NDArray[np.float32]
 
@@ -92,8 +94,9 @@ def _check_wav_length(data: bytes) -> None:
     """A WAV whose data chunk is shorter than its header says is cut short.
 
     libsndfile reads such a file without complaint (it trusts the file size),
-    so the header is read here. A size of 0xFFFFFFFF marks a stream written
-    before its length was known, and is not checked.
+    so the header is read here. Writers to a pipe put a placeholder of about
+    2 or 4 GiB there (espeak-ng writes 0x7FFFF000, others 0xFFFFFFFF), as the
+    length is not known yet: a size that large is not checked.
     """
     offset = 12  # "RIFF", size, "WAVE"
     while offset + 8 <= len(data):
@@ -101,7 +104,7 @@ def _check_wav_length(data: bytes) -> None:
         size = int.from_bytes(data[offset + 4 : offset + 8], "little")
         if chunk_id == b"data":
             present = len(data) - offset - 8
-            if size != 0xFFFFFFFF and present < size:
+            if size < UNKNOWN_WAV_LENGTH and present < size:
                 raise AudioError(
                     f"the audio file is truncated: {present} of {size} bytes of samples are present"
                 )

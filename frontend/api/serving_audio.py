@@ -173,7 +173,7 @@ class AudioServer:
                 "duration": round(duration, 3),
                 "text": text,
                 "segments": [
-                    _segment_json(i, s, out, req.temperature)
+                    _segment_json(i, s, out, req.temperature, self.whisper.end_of_text)
                     for i, (s, out) in enumerate(zip(segments, outputs, strict=True))
                 ],
             }
@@ -226,8 +226,10 @@ class AudioServer:
 
 
 def _segment_json(
-    index: int, segment: Segment, out: RequestOutput, temperature: float
+    index: int, segment: Segment, out: RequestOutput, temperature: float, end_of_text: int
 ) -> dict[str, Any]:
+    """One window as a verbose_json segment; `tokens` are its text tokens (no
+    <|endoftext|>), `avg_logprob` counts every sampled token, as Whisper's."""
     sample = out.outputs[0]
     num_tokens = len(sample.token_ids)
     avg_logprob = (
@@ -242,7 +244,7 @@ def _segment_json(
         "start": round(segment.start, 3),
         "end": round(segment.end, 3),
         "text": segment.text,
-        "tokens": list(sample.token_ids),
+        "tokens": [t for t in sample.token_ids if t != end_of_text],
         "temperature": temperature,
         "avg_logprob": avg_logprob,
         "compression_ratio": _compression_ratio(text_bytes),

@@ -185,6 +185,16 @@ def test_truncated_file(fmt: str) -> None:
         decode_audio(data[: len(data) // 2])
 
 
+def test_wav_written_to_a_pipe_is_not_truncated() -> None:
+    # A writer to a pipe (espeak-ng --stdout) cannot go back to fill in the
+    # lengths: it leaves placeholders near 2 GiB in the RIFF and data sizes.
+    data = bytearray(encode(voiced(1.0), SAMPLE_RATE, "WAV", "PCM_16"))
+    data[4:8] = (0x7FFFF024).to_bytes(4, "little")
+    data[40:44] = (0x7FFFF000).to_bytes(4, "little")
+    assert data[36:40] == b"data"
+    assert len(decode_audio(bytes(data))) == SAMPLE_RATE
+
+
 def test_file_with_no_samples() -> None:
     data = encode(np.zeros(0, dtype=np.float32), SAMPLE_RATE, "WAV", "PCM_16")
     with pytest.raises(AudioError, match="no samples"):
