@@ -135,9 +135,10 @@ async def _run_all(ns: argparse.Namespace) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
         model = ns.model or await _first_model(client, base, headers)
-        requests = await _load_requests(ns, client, base, model, headers)
         reports = []
-        for concurrency in ns.max_concurrency or [None]:
+        for i, concurrency in enumerate(ns.max_concurrency or [None]):
+            # Each run draws its own prompts, so none finds another's prefix cached.
+            requests = await _load_requests(ns, client, base, model, headers, ns.seed + i)
             reports.append(await _run_one(ns, client, base, model, headers, requests, concurrency))
         return reports
 
@@ -155,21 +156,20 @@ async def _load_requests(
     base: str,
     model: str,
     headers: dict[str, str],
+    seed: int,
 ) -> list[BenchRequest]:
     dataset = ns.dataset_name or ("sharegpt" if ns.dataset_path else "random")
     if dataset == "sharegpt":
         if not ns.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
-        requests = sharegpt_requests(
-            ns.dataset_path, ns.num_prompts, ns.seed, ns.sharegpt_output_len
-        )
+        requests = sharegpt_requests(ns.dataset_path, ns.num_prompts, seed, ns.sharegpt_output_len)
         for r in requests:
             if r.output_len == 0 and r.reply is not None:
                 body = {"model": model, "prompt": r.reply, "add_special_tokens": False}
                 r.output_len = max(1, len(await _post(client, base + "/tokenize", body, headers)))
         return requests
     requests = random_requests(
-        ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.vocab_size, ns.seed
+        ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.vocab_size, seed
     )
     if ns.backend == "openai-chat":
         # Chat messages are text: the server's own tokenizer turns the ids into it.

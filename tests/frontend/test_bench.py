@@ -66,7 +66,7 @@ def test_bench_serve_reports_and_plots(base_url: str, tmp_path: Path) -> None:
     out = bench(
         "serve",
         "--base-url", base_url,
-        "--num-prompts", "6",
+        "--num-prompts", "4",
         "--random-input-len", "16",
         "--random-output-len", "8",
         "--max-concurrency", "1,3",
@@ -82,9 +82,9 @@ def test_bench_serve_reports_and_plots(base_url: str, tmp_path: Path) -> None:
         report = json.loads((tmp_path / f"run-concurrency{concurrency}.json").read_text())
         assert all(field in report for field in REPORT_FIELDS), report
         assert report["max_concurrency"] == concurrency
-        assert (report["completed"], report["failed"], report["errors"]) == (6, 0, [])
-        assert report["total_output_tokens"] == 6 * 8
-        assert report["total_input_tokens"] == 6 * 16
+        assert (report["completed"], report["failed"], report["errors"]) == (4, 0, [])
+        assert report["total_output_tokens"] == 4 * 8
+        assert report["total_input_tokens"] == 4 * 16
         assert report["output_throughput"] > 0 and report["request_throughput"] > 0
         assert 0 < report["median_ttft_ms"] <= report["p99_ttft_ms"] < 60_000
         assert 0 < report["mean_itl_ms"] and report["mean_e2el_ms"] > report["mean_ttft_ms"]
