@@ -164,7 +164,7 @@ def test_streamed_answer_is_the_greedy_answer_and_survives_reload(
     base: str, driver: Any, tmp_path: Path
 ) -> None:
     set_field(driver, "temperature", "0")
-    set_field(driver, "max-tokens", "40")
+    set_field(driver, "max-tokens", "16")
     set_field(driver, "system-prompt", "You are a helpful assistant.")
     chat(driver, "Write a Python function that adds two numbers.")
     wait_answered(driver)
@@ -189,6 +189,42 @@ def test_streamed_answer_is_the_greedy_answer_and_survives_reload(
     assert shown and shown[-1].text.strip()
     assert stored_messages(driver)[1]["content"] == expected
     set_field(driver, "system-prompt", "")
+    set_field(driver, "max-tokens", "16")  # for the tests that follow
+
+
+def test_edit_resend_and_regenerate(driver: Any) -> None:
+    chat(driver, "Name a fruit.")
+    wait_answered(driver)
+    first = stored_messages(driver)[1]["content"]
+    driver.find_element("css selector", ".msg.assistant .regenerate").click()
+    wait_answered(driver)
+    assert [m["content"] for m in stored_messages(driver)][1] == first  # greedy: the same
+    driver.find_element("css selector", ".msg.user .edit").click()
+    area = driver.find_element("css selector", ".msg.user textarea")
+    area.clear()
+    area.send_keys("Name a vegetable.")
+    driver.find_element("css selector", ".msg.user .resend").click()
+    wait_for(lambda: stored_messages(driver)[0]["content"] == "Name a vegetable.")
+    wait_answered(driver)
+    assert len(stored_messages(driver)) == 2
+
+
+def test_theme_and_phone_layout(driver: Any) -> None:
+    def background() -> str:
+        return str(driver.execute_script("return getComputedStyle(document.body).backgroundColor"))
+
+    light = background()
+    driver.find_element("id", "theme").click()
+    assert background() != light
+    driver.find_element("id", "theme").click()
+    driver.set_window_size(390, 844)
+    try:
+        # Nothing wider than the phone's screen: no sideways scrolling.
+        width = driver.execute_script("return document.documentElement.scrollWidth")
+        assert width <= 390, width
+        assert driver.find_element("id", "send").is_displayed()
+    finally:
+        driver.set_window_size(1200, 800)
 
 
 def test_lora_adapter_from_the_picker(base: str, driver: Any) -> None:
@@ -200,7 +236,7 @@ def test_lora_adapter_from_the_picker(base: str, driver: Any) -> None:
     chat(driver, "Name a colour.")
     wait_answered(driver)
     request = [{"role": "user", "content": "Name a colour."}]
-    assert stored_messages(driver)[1]["content"] == greedy(base, "sql", request, 40)
+    assert stored_messages(driver)[1]["content"] == greedy(base, "sql", request, 16)
     set_field(driver, "model", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
@@ -225,7 +261,7 @@ def test_stop_aborts_the_request_on_the_engine(base: str, driver: Any) -> None:
     print(f"running count at zero {time.monotonic() - stopped:.2f} s after stop")
     wait_answered(driver)
     assert "stopped" in driver.find_elements("css selector", ".msg.assistant .stats")[-1].text
-    set_field(driver, "max-tokens", "40")
+    set_field(driver, "max-tokens", "16")
 
 
 def test_imported_payloads_do_not_run(driver: Any, tmp_path: Path) -> None:
