@@ -92,7 +92,9 @@ class WhisperRunner(ModelRunner):
             ).to(device=self.device, dtype=self.dtype)  # [B, n_mels, frames]
             cross = self.whisper.encode(features)  # [B, layers, 2, heads, S, d]
             for request_id, kv in zip(batch, cross, strict=True):
-                self.cross_kv[request_id] = kv
+                # Its own copy: a view would hold the whole batch's memory
+                # until the last request of the batch finished.
+                self.cross_kv[request_id] = kv.clone()
         self._to_encode.clear()
 
     # ------------------------------------------------------------------ step

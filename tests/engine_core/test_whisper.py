@@ -139,9 +139,13 @@ def test_tokens_equal_faster_whisper_one_clip_at_a_time(
     engine: EngineCore, clips: list[np.ndarray], reference: list[list[int]]
 ) -> None:
     assert engine.info.supported_tasks == ("transcription",)
+    runner = engine.executor.worker.runner  # type: ignore[attr-defined]
     for i, audio in enumerate(clips):
         tokens = _transcribe(engine, [_request(f"one{i}", audio)])[f"one{i}"]
         assert tokens == reference[i], f"clip {i}"
+        # Earlier requests' encoder state is gone (the runner hears of the last
+        # one's end with the next plan).
+        assert set(runner.cross_kv) <= {f"one{i}"}
     assert any(len(r) >= 8 for r in reference)  # real transcripts, not empty ones
 
 
