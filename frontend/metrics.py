@@ -7,6 +7,12 @@ preemptions, prefix-cache queries and hits) come from the statistics the
 engine core sends with every output and heartbeat. With several API server
 processes (`pagoda serve --api-server-count N`) prometheus-client's
 multiprocess mode sums the request metrics over all of them.
+
+Speech to text adds two of its own (vLLM has none): `pagoda:audio_seconds`
+(seconds of audio transcribed or translated) and
+`pagoda:audio_real_time_factor` (per request: the time from the upload read
+to the answer's end, over the audio's duration; below 1 is faster than
+real time).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+_REAL_TIME_FACTOR_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class EngineStatsCollector(Collector):
@@ -169,6 +176,16 @@ class FrontendMetrics:
             )
             for phase in ("queue", "prefill", "decode", "inference")
         }
+        self.audio_seconds = Counter(
+            "pagoda:audio_seconds", "Seconds of audio transcribed.", labels, registry=register
+        )
+        self.real_time_factor = Histogram(
+            "pagoda:audio_real_time_factor",
+            "Processing time over audio duration, per speech-to-text request.",
+            labels,
+            buckets=_REAL_TIME_FACTOR_BUCKETS,
+            registry=register,
+        )
         self._ttft = self.ttft.labels(model_name)
         self._itl = self.itl.labels(model_name)
         if self.multiprocess_dir:
@@ -215,6 +232,13 @@ class FrontendMetrics:
         self.gen_tokens.labels(m).inc(num_generated)
         for reason in finish_reasons:
             self.success.labels(m, reason).inc()
+
+    def observe_audio(self, audio_seconds: float, wall_seconds: float) -> None:
+        """A finished speech-to-text request: its audio's duration and how long it took."""
+        m = self.model_name
+        self.audio_seconds.labels(m).inc(audio_seconds)
+        if audio_seconds > 0:
+            self.real_time_factor.labels(m).observe(wall_seconds / audio_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,7 @@ class AudioServer:
 
     async def handle(self, task: str, raw: Request) -> Response:
         req = await read_audio_form(raw, self.max_file_bytes)
+        started = time.monotonic()
         model = check_model(self.engine, self.served, req.model)
         try:
             self.whisper.check_task(task)
@@ -143,9 +145,23 @@ class AudioServer:
         ]
         if req.stream:
             events = self._stream(request_id, kind, model, streams, len(prompt_ids), duration, req)
-            return StreamingResponse(sse_with_errors(events), media_type="text/event-stream")
+            observed = self._observed(events, duration, started)
+            return StreamingResponse(sse_with_errors(observed), media_type="text/event-stream")
         outputs = await unless_disconnected(raw, _collect(streams))
+        self._observe(duration, started)
         return self._response(task, language, req, duration, windows, outputs)
+
+    def _observe(self, duration: float, started: float) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.observe_audio(duration, time.monotonic() - started)
+
+    async def _observed(
+        self, events: AsyncIterator[str], duration: float, started: float
+    ) -> AsyncIterator[str]:
+        """`events`, and the request counted in the metrics once they all went out."""
+        async for event in events:
+            yield event
+        self._observe(duration, started)
 
     def _response(
         self,

@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 from pagoda.frontend.api.app import FrontendConfig, build_app
 from pagoda.frontend.api.subtitles import Segment, timestamp, to_srt, to_vtt
 from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.metrics import FrontendMetrics
 from pagoda.frontend.outputs import CompletionOutput, RequestOutput
 from pagoda.frontend.tokenizer import Tokenizer
 from pagoda.frontend.whisper_tokens import WhisperTokenError, WhisperTokens
@@ -160,7 +161,9 @@ class CannedAsyncLLM(AsyncLLM):
     texts = [" Hello there.", " And more."]
 
     def __init__(self, tokenizer: Tokenizer, tasks: list[str]) -> None:
-        super().__init__(StandInEngineClient(tasks), tokenizer)  # type: ignore[arg-type]
+        client = StandInEngineClient(tasks)
+        metrics = FrontendMetrics("whisper-test")
+        super().__init__(client, tokenizer, metrics=metrics)  # type: ignore[arg-type]
         self.calls: list[dict[str, Any]] = []
 
     async def generate_tokens(  # type: ignore[override]
@@ -333,3 +336,16 @@ def test_stream_keeps_the_audio_order(engine: CannedAsyncLLM) -> None:
     assert events[-1]["choices"] == []
     assert events[-1]["usage"]["type"] == "duration"
     assert events[-1]["usage"]["seconds"] == 45
+
+
+def test_metrics_count_audio_seconds(engine: CannedAsyncLLM) -> None:
+    client = client_for(engine)
+    audio = {"file": ("a.wav", wav_bytes(45.0), "audio/wav")}
+    assert post(client, files=audio).status_code == 200
+    data = {"stream": "true"}
+    with client.stream("POST", "/v1/audio/transcriptions", files=audio, data=data) as response:
+        assert list(response.iter_lines())[-2] == "data: [DONE]"  # read to its end
+    assert post(client, files={"file": ("a.wav", b"", "audio/wav")}).status_code == 400
+    text = client.get("/metrics").text
+    assert 'pagoda:audio_seconds_total{model_name="whisper-test"} 90.0' in text
+    assert 'pagoda:audio_real_time_factor_count{model_name="whisper-test"} 2.0' in text
