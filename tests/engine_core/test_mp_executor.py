@@ -321,3 +321,45 @@ def test_two_nodes_over_loopback_give_the_single_rank_tokens(
             node1.kill()
     for request_id, one in runs[1].items():
         assert runs[2][request_id].token_ids == one.token_ids, request_id
+
+
+def test_aborts_while_plans_are_in_flight(tiny_models: dict[str, Path]) -> None:
+    """Two stages, plans in flight: requests aborted between steps leave the
+    others' tokens as one rank makes them, and every block comes back."""
+    prompts = random_prompts(17, 6, 1000, 5, 30)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = {}
+    engine = tiny_engine(tiny_models["llama"], "uni")
+    try:
+        adds = [AddRequest(f"r{i}", p, params, 0.0) for i, p in enumerate(prompts)]
+        reference = {k: v.token_ids for k, v in run_to_completion(engine, adds).records.items()}
+    finally:
+        engine.shutdown()
+    engine = tiny_engine(tiny_models["llama"], "mp", pipeline_parallel_size=2)
+    try:
+        for i, p in enumerate(prompts):
+            assert engine.add_request(AddRequest(f"r{i}", p, params, 0.0)) is None
+        tokens: dict[str, list[int]] = {}
+        finished: dict[str, str] = {}
+        steps = 0
+        while engine.has_work():
+            for _, delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+                if delta.finish_reason:
+                    finished[delta.request_id] = delta.finish_reason
+            steps += 1
+            if steps == 6:
+                assert engine._in_flight  # aborting with plans in flight
+                engine.abort_requests(["r1", "r3", "r5"])
+        for i in (0, 2, 4):
+            assert tokens[f"r{i}"] == reference[f"r{i}"], i
+            assert finished[f"r{i}"] == "length"
+        for i in (1, 3, 5):
+            assert tokens.get(f"r{i}", []) == reference[f"r{i}"][: len(tokens.get(f"r{i}", []))]
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not engine.scheduler.in_flight
+        # The freed blocks serve new requests correctly.
+        again = run_to_completion(engine, [AddRequest("late", prompts[1], params, 0.0)])
+        assert again.records["late"].token_ids == reference["r1"]
+    finally:
+        engine.shutdown()
