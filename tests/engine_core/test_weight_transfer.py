@@ -251,3 +251,25 @@ def test_a_request_held_past_the_bound_fails_as_unavailable(tiny_models: dict[st
         assert engine.scheduler.requests == {}
     finally:
         engine.shutdown()
+
+
+def test_weights_sent_while_asleep_are_there_on_wake_up(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """An RL loop's order: sleep (level 2 drops the weights), update, wake up."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        for _, param in hf.named_parameters():
+            param.mul_(1.2)
+    hf.save_pretrained(tmp_path / "new")
+    engine = engine_for(tiny_models["llama"], weight_transfer_backend="file")
+    try:
+        for level in (1, 2):
+            engine.sleep(level)
+            engine.update_weights({"path": str(tmp_path / "new")})
+            engine.wake_up()
+            after = greedy(engine, f"w{level}-")
+            expected = hf_greedy(hf, PROMPTS, 8)
+            assert [after[f"w{level}-{i}"].token_ids for i in range(3)] == expected
+    finally:
+        engine.shutdown()
