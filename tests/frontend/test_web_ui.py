@@ -164,7 +164,7 @@ def test_streamed_answer_is_the_greedy_answer_and_survives_reload(
     base: str, driver: Any, tmp_path: Path
 ) -> None:
     set_field(driver, "temperature", "0")
-    set_field(driver, "max-tokens", "16")
+    set_field(driver, "max-tokens", "40")
     set_field(driver, "system-prompt", "You are a helpful assistant.")
     chat(driver, "Write a Python function that adds two numbers.")
     wait_answered(driver)
