@@ -144,3 +144,32 @@ def test_expert_parallel_needs_experts_that_divide(moe_models: dict[str, Path]) 
                 enable_expert_parallel=True,
             )
         )
+
+
+@pytest.mark.slow
+def test_expert_parallel_logprobs_match_one_rank(moe_models: dict[str, Path]) -> None:
+    prompts = random_prompts(9, 3, VOCAB, 4, 30)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    runs = {}
+    for tp, ep in ((1, False), (2, True)):
+        engine = EngineCore(
+            EngineConfig(
+                model=str(moe_models["qwen3_moe"]),
+                dtype="float32",
+                kv_cache_memory_bytes=4 << 20,
+                num_threads=NUM_THREADS,
+                tensor_parallel_size=tp,
+                enable_expert_parallel=ep,
+            )
+        )
+        try:
+            adds = [AddRequest(f"l{i}", p, params, 0.0) for i, p in enumerate(prompts)]
+            runs[tp] = run_to_completion(engine, adds).records
+        finally:
+            engine.shutdown()
+    for request_id, one in runs[1].items():
+        two = runs[2][request_id]
+        assert two.token_ids == one.token_ids
+        for a, b in zip(one.logprobs, two.logprobs, strict=True):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
