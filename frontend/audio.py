@@ -30,6 +30,7 @@ in the last second before the 30 s mark, at the start of the quietest
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +45,8 @@ OVERLAP_SECONDS = 1
 # The stretch whose energy is compared when looking for a quiet cut: 0.1 s.
 QUIET_WINDOW_SAMPLES = 1600
 SUPPORTED_FORMATS = ("WAV", "FLAC", "OGG", "MP3")
+# Decoding reads this many frames at a time (about 1.4 s at 48 kHz).
+DECODE_BLOCK_FRAMES = 1 << 16
 # A WAV data size at least this large is a streaming writer's placeholder.
 UNKNOWN_WAV_LENGTH = 0x7FFF0000
 
@@ -62,14 +65,13 @@ def decode_audio(data: bytes) -> Samples:
         raise AudioError("the audio file is empty")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
-            if f.format not in SUPPORTED_FORMATS:
+            container = "WAV" if f.format == "WAVEX" else f.format  # WAVE_FORMAT_EXTENSIBLE
+            if container not in SUPPORTED_FORMATS:
                 raise AudioError(
                     f"unsupported audio format {f.format}; send one of {list(SUPPORTED_FORMATS)}"
                 )
             declared = f.frames
-            rate = f.samplerate
-            # [frames, channels]
-            frames = f.read(dtype="float32", always_2d=True)
+            samples, num_frames = _read_mono_16k(f)
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as e:
@@ -77,17 +79,38 @@ def decode_audio(data: bytes) -> Samples:
             f"the file could not be decoded as audio ({_short(e)}); "
             f"send one of {list(SUPPORTED_FORMATS)}"
         ) from None
-    if len(frames) == 0:
+    if num_frames == 0:
         raise AudioError("the audio file holds no samples")
-    if f.format in ("WAV", "FLAC") and len(frames) < declared:
+    if container in ("WAV", "FLAC") and num_frames < declared:
         # Formats whose header states the length: fewer samples means a cut file.
         raise AudioError(
-            f"the audio file is truncated: {len(frames)} of {declared} samples are present"
+            f"the audio file is truncated: {num_frames} of {declared} samples are present"
         )
-    if f.format == "WAV":
+    if container == "WAV":
         _check_wav_length(data)
-    mono = frames.mean(axis=1, dtype=np.float32)
-    return resample(mono, rate)
+    return samples
+
+
+def _read_mono_16k(f: Any) -> tuple[Samples, int]:
+    """An open soundfile.SoundFile's samples, mixed down and resampled block by
+    block (a long upload at 48 kHz stereo never sits whole in memory at that
+    rate); also how many frames the file held."""
+    stream = None
+    if f.samplerate != SAMPLE_RATE:
+        import soxr
+
+        stream = soxr.ResampleStream(f.samplerate, SAMPLE_RATE, 1, dtype="float32")
+    pieces = []
+    num_frames = 0
+    # block: [frames, channels]
+    for block in f.blocks(DECODE_BLOCK_FRAMES, dtype="float32", always_2d=True):
+        num_frames += len(block)
+        mono = block.mean(axis=1, dtype=np.float32)
+        pieces.append(mono if stream is None else stream.resample_chunk(mono))
+    if stream is not None:
+        pieces.append(stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+    samples = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+    return samples.astype(np.float32, copy=False), num_frames
 
 
 def _check_wav_length(data: bytes) -> None:
@@ -114,15 +137,6 @@ def _check_wav_length(data: bytes) -> None:
 
 def _short(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-
-
-def resample(samples: Samples, rate: int) -> Samples:
-    """`samples` at `rate` Hz resampled to 16 kHz (soxr, high quality)."""
-    if rate == SAMPLE_RATE:
-        return np.ascontiguousarray(samples, dtype=np.float32)
-    import soxr
-
-    return np.asarray(soxr.resample(samples, rate, SAMPLE_RATE), dtype=np.float32)
 
 
 def split_audio(samples: Samples) -> list[Samples]:

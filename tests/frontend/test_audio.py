@@ -158,6 +158,27 @@ def test_decode_every_format(fmt: str, subtype: str, exact: float | None, rate: 
         assert abs(rms - 0.4 / np.sqrt(2)) < 0.03
 
 
+def test_long_upload_resampled_in_blocks_matches_whole() -> None:
+    # 20 s at 48 kHz: many decode blocks, resampled as one stream.
+    import soxr
+
+    rate = 48_000
+    rng = np.random.default_rng(5)
+    clip = (0.2 * rng.standard_normal(20 * rate)).astype(np.float32)
+    samples = decode_audio(encode(clip, rate, "WAV", "FLOAT"))
+    whole = soxr.resample(clip, rate, SAMPLE_RATE)
+    assert len(samples) == len(whole) == 20 * SAMPLE_RATE
+    np.testing.assert_allclose(samples, whole, atol=1e-4)
+
+
+def test_extensible_wav() -> None:
+    # WAVE_FORMAT_EXTENSIBLE, as many tools write float or multichannel WAVs.
+    data = encode(voiced(1.0), SAMPLE_RATE, "WAVEX", "FLOAT")
+    assert len(decode_audio(data)) == SAMPLE_RATE
+    with pytest.raises(AudioError, match="truncated"):
+        decode_audio(data[: len(data) - 1000])
+
+
 def test_stereo_is_mixed_down() -> None:
     left = np.full(1600, 0.5, dtype=np.float32)
     data = encode(np.stack([left, -0.25 * np.ones_like(left)], axis=1), SAMPLE_RATE, "WAV", "FLOAT")
