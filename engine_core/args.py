@@ -30,7 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)",
+        help="GGUF file, HF or CTranslate2 model directory, or a packaged model's name "
+        "(Systran/faster-whisper-tiny.en) (default: SmolLM2-135M-Instruct)",
     )
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

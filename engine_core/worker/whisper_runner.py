@@ -50,6 +50,20 @@ class WhisperRunner(ModelRunner):
         self.whisper = model  # self.model too, typed as ModelRunner's decoders
         return model
 
+    def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
+        """As ModelRunner's, but a budget-sized cache stops at what `max_num_seqs`
+        requests of the decoder's full length can use (Whisper's is 448 tokens),
+        leaving the rest of the budget's memory to their cross-attention state."""
+        if num_blocks is None:
+            budget = self.config.kv_cache_memory_bytes
+            if budget is None:
+                budget = self._default_kv_budget()
+            per_seq = -(-self.model_config.max_position_embeddings // self.block_size)
+            num_blocks = max(
+                min(budget // self.kv_bytes_per_block(), self.config.max_num_seqs * per_seq), 1
+            )
+        return super().allocate_kv_cache(num_blocks)
+
     def _capture_graphs(self, num_blocks: int) -> None:
         return  # the cross-attention segments change every step: decode eagerly
 
