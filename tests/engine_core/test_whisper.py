@@ -153,9 +153,11 @@ def test_tokens_equal_faster_whisper_one_clip_at_a_time(
 def test_batched_clips_give_the_same_tokens(
     engine: EngineCore, clips: list[np.ndarray], reference: list[list[int]]
 ) -> None:
-    """All clips in one engine at once: encoders batched, decodes in the same steps."""
-    got = _transcribe(engine, [_request(f"many{i}", a) for i, a in enumerate(clips)])
-    assert [got[f"many{i}"] for i in range(len(clips))] == reference
+    """8 requests (the clips twice) at once: one encoder batch, decodes in the
+    same steps, each request attending to its own audio."""
+    audio = clips + clips
+    got = _transcribe(engine, [_request(f"many{i}", a) for i, a in enumerate(audio)])
+    assert [got[f"many{i}"] for i in range(len(audio))] == reference + reference
 
 
 @pytest.mark.slow
