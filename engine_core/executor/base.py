@@ -12,9 +12,12 @@ actors (`ray`, likewise): each is a subclass here, chosen by
 
 from __future__ import annotations
 
+import typing
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
+
+import msgspec
 
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
 
@@ -65,3 +68,54 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and free what they hold."""
+
+
+class RankExecutor(Executor):
+    """What the executors with a worker per rank (`mp`, `ray`) share: the KV
+    cache sized by the rank with the least room, a step as submit + collect,
+    and a rank's failure as the exception the engine expects."""
+
+    def initialize_kv_cache(self) -> int:
+        blocks = self.collective_rpc("initialize_kv_cache")
+        if len(set(blocks)) != 1:
+            # Ranks with different free memory: every rank takes the smallest.
+            least = min(blocks)
+            self.collective_rpc("initialize_kv_cache", (least,))
+            return int(least)
+        return int(blocks[0])
+
+    def execute(self, plan: SchedulePlan) -> StepResult:
+        self.submit(plan)
+        return self.collect()
+
+    @abstractmethod
+    def submit(self, plan: SchedulePlan) -> None: ...
+
+    @abstractmethod
+    def collect(self) -> StepResult: ...
+
+
+def raise_rank_error(rank: int, payload: bytes, what: str) -> None:
+    """Raise a rank's reported error (worker/proc.py's error_payload): at start,
+    an ExecutorError naming the rank; in a call, ValueError for the caller's
+    mistakes (the engine reports them and goes on), else RuntimeError."""
+    error = msgspec.msgpack.decode(payload)
+    message = f"{error['message']}"
+    if what == "start":
+        raise ExecutorError(f"worker rank {rank} could not start: {message}")
+    exc = ValueError(message) if error.get("caller") else RuntimeError(message)
+    if error.get("kind"):
+        exc.kind = error["kind"]  # type: ignore[union-attr]
+    raise exc
+
+
+def return_type(method: str) -> Any:
+    """What a Worker method returns, for decoding its results as typed values."""
+    from pagoda.engine_core.worker.worker import Worker
+
+    function = getattr(Worker, method, None)
+    if function is None:
+        return Any
+    hints = typing.get_type_hints(function)
+    kind = hints.get("return", Any)
+    return Any if kind is type(None) else kind

@@ -32,7 +32,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import typing
 from collections import deque
 from typing import Any
 
@@ -41,7 +40,12 @@ import zmq
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
-from pagoda.engine_core.executor.base import Executor, ExecutorError
+from pagoda.engine_core.executor.base import (
+    ExecutorError,
+    RankExecutor,
+    raise_rank_error,
+    return_type,
+)
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.proc import (
     ERROR,
@@ -65,7 +69,7 @@ CALL_TIMEOUT_S = float(os.environ.get("PAGODA_WORKER_CALL_TIMEOUT", "300"))
 _POLL_MS = 100
 
 
-class MPExecutor(Executor):
+class MPExecutor(RankExecutor):
     """Worker processes on this host, one per rank."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
@@ -139,19 +143,6 @@ class MPExecutor(Executor):
 
     # ------------------------------------------------------------ the seam
 
-    def initialize_kv_cache(self) -> int:
-        blocks = self.collective_rpc("initialize_kv_cache")
-        if len(set(blocks)) != 1:
-            # Ranks with different free memory: every rank takes the smallest.
-            least = min(blocks)
-            self.collective_rpc("initialize_kv_cache", (least,))
-            return int(least)
-        return int(blocks[0])
-
-    def execute(self, plan: SchedulePlan) -> StepResult:
-        self.submit(plan)
-        return self.collect()
-
     def submit(self, plan: SchedulePlan) -> None:
         self._send(EXECUTE, msgspec.msgpack.encode(plan))
         self._in_flight += 1
@@ -174,7 +165,7 @@ class MPExecutor(Executor):
             self._done.append(self._gather_step())
         self._send(RPC, msgspec.msgpack.encode([method, list(args), kwargs or {}]))
         payloads = self._gather(CALL_TIMEOUT_S, method)
-        kind = _return_type(method)
+        kind = return_type(method)
         return [msgspec.msgpack.decode(p, type=kind) for p in payloads]
 
     def check_health(self) -> None:
@@ -248,35 +239,9 @@ class MPExecutor(Executor):
         got = {rank: replies.popleft() for rank, replies in queued.items()}
         failed = [(rank, p) for rank, (status, p) in sorted(got.items()) if status == ERROR]
         if failed:
-            rank, payload = failed[0]
-            error = msgspec.msgpack.decode(payload)
-            message = f"{error['message']}"
-            if what == "start":
-                raise ExecutorError(f"worker rank {rank} could not start: {message}")
-            caller = error.get("caller") or error["type"] in _CALLER_ERRORS
-            exc = ValueError(message) if caller else RuntimeError(message)
-            if error.get("kind"):
-                exc.kind = error["kind"]  # type: ignore[union-attr]
-            raise exc
+            raise_rank_error(*failed[0], what)
         assert all(status in (READY, b"ok") for status, _ in got.values())
         return [got[rank][1] for rank in range(self.world_size)]
-
-
-# Exceptions that say the call itself was wrong, by name, for replies that
-# do not carry the worker's own "caller" mark.
-_CALLER_ERRORS = {"ValueError", "TypeError", "KeyError", "FileNotFoundError"}
-
-
-def _return_type(method: str) -> Any:
-    """What a Worker method returns, for decoding its results as typed values."""
-    from pagoda.engine_core.worker.worker import Worker
-
-    function = getattr(Worker, method, None)
-    if function is None:
-        return Any
-    hints = typing.get_type_hints(function)
-    kind = hints.get("return", Any)
-    return Any if kind is type(None) else kind
 
 
 def _died(rank: int, proc: subprocess.Popen[bytes]) -> str:

@@ -40,13 +40,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
-from pagoda.engine_core.executor.base import Executor, ExecutorError
-from pagoda.engine_core.executor.mp import (
-    _CALLER_ERRORS,
-    CALL_TIMEOUT_S,
-    START_TIMEOUT_S,
-    _return_type,
+from pagoda.engine_core.executor.base import (
+    ExecutorError,
+    RankExecutor,
+    raise_rank_error,
+    return_type,
 )
+from pagoda.engine_core.executor.mp import CALL_TIMEOUT_S, START_TIMEOUT_S
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.proc import ERROR, OK, WorkerSpec, error_payload, start_worker
 
@@ -57,7 +57,7 @@ NO_CLUSTER = "start one with `ray start --head` (or set RAY_ADDRESS to its head'
 Reply = tuple[bytes, bytes]
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankExecutor):
     """Ray actors, one per rank, in a placement group of this engine's."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
@@ -126,19 +126,6 @@ class RayExecutor(Executor):
 
     # ------------------------------------------------------------ the seam
 
-    def initialize_kv_cache(self) -> int:
-        blocks = self.collective_rpc("initialize_kv_cache")
-        if len(set(blocks)) != 1:
-            # Ranks with different free memory: every rank takes the smallest.
-            least = min(blocks)
-            self.collective_rpc("initialize_kv_cache", (least,))
-            return int(least)
-        return int(blocks[0])
-
-    def execute(self, plan: SchedulePlan) -> StepResult:
-        self.submit(plan)
-        return self.collect()
-
     def submit(self, plan: SchedulePlan) -> None:
         """Start a step on every rank and return; `collect` takes its result."""
         self._steps.append(self._call("execute", msgspec.msgpack.encode(plan)))
@@ -153,7 +140,7 @@ class RayExecutor(Executor):
     ) -> list[Any]:
         payload = msgspec.msgpack.encode([method, list(args), kwargs or {}])
         replies = self._call_all("rpc", payload, method)
-        kind = _return_type(method)
+        kind = return_type(method)
         return [msgspec.msgpack.decode(p, type=kind) for p in replies]
 
     def check_health(self) -> None:
@@ -210,16 +197,9 @@ class RayExecutor(Executor):
             raise
         failed = [(rank, p) for rank, (status, p) in enumerate(replies) if status == ERROR]
         if failed:
-            rank, payload = failed[0]
-            error = msgspec.msgpack.decode(payload)
-            message = f"{error['message']}"
             if what == "start":
                 self._failed = True
-                raise ExecutorError(f"worker rank {rank} could not start: {message}")
-            exc = ValueError(message) if error["type"] in _CALLER_ERRORS else RuntimeError(message)
-            if error.get("kind"):
-                exc.kind = error["kind"]  # type: ignore[union-attr]
-            raise exc
+            raise_rank_error(*failed[0], what)
         return [payload for _, payload in replies]
 
     def _wait(self, refs: list[Any], timeout_s: float, what: str) -> list[Reply]:
