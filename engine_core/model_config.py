@@ -483,32 +483,10 @@ _WHISPER_DIMS = (
 
 
 def _ctranslate2_dims(path: str) -> dict[str, int]:
-    """Hugging Face's Whisper dimensions, from a CTranslate2 model.bin's header."""
-    from pagoda.engine_core.loaders.ctranslate2 import CTranslate2FormatError, read_model_file
+    from pagoda.engine_core.loaders.ctranslate2 import CTranslate2FormatError, whisper_dims
 
     try:
-        header, data = read_model_file(path)
-        v = header.variables
-        if header.spec != "WhisperSpec":
-            raise ModelLoadError(f"{path}: CTranslate2 spec {header.spec} is not supported")
-
-        def count(side: str) -> int:
-            names = (n.split("/")[1] for n in v if n.startswith(f"{side}/layer_"))
-            return len({n for n in names if n.removeprefix("layer_").isdigit()})
-
-        return {
-            "d_model": v["decoder/embeddings/weight"].shape[1],
-            "vocab_size": v["decoder/embeddings/weight"].shape[0],
-            "num_mel_bins": v["encoder/conv1/weight"].shape[1],
-            "encoder_layers": count("encoder"),
-            "encoder_attention_heads": header.scalar("encoder/num_heads", data),
-            "encoder_ffn_dim": v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
-            "decoder_layers": count("decoder"),
-            "decoder_attention_heads": header.scalar("decoder/num_heads", data),
-            "decoder_ffn_dim": v["decoder/layer_0/ffn/linear_0/weight"].shape[0],
-            "max_source_positions": v["encoder/position_encodings/encodings"].shape[0],
-            "max_target_positions": v["decoder/position_encodings/encodings"].shape[0],
-        }
+        return whisper_dims(path)
     except (CTranslate2FormatError, OSError) as e:
         raise ModelLoadError(f"{path}: cannot read model.bin: {e}") from e
 

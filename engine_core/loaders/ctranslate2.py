@@ -19,7 +19,8 @@ CTranslate2 fuses projections: a self-attention's `linear_0` is q, k and v
 stacked on the output axis, a cross-attention's `linear_0` is q and its
 `linear_1` k and v; Whisper's k projection has no bias, so its third of a
 fused bias is zeros. Those are split here. The header parse
-(`read_variables`) needs no torch: model_config.py reads the shapes from it.
+(`read_variables`, `whisper_dims`) needs no torch: model_config.py reads
+the dimensions through it.
 Only float32 / float16 / bfloat16 weights are read (int8 models carry
 per-row scales this loader does not apply).
 """
@@ -130,6 +131,36 @@ def read_model_file(path: str) -> tuple[ModelFile, mmap.mmap]:
         return read_variables(data), data
     except CTranslate2FormatError as e:
         raise CTranslate2FormatError(f"{file}: {e}") from e
+
+
+def whisper_dims(path: str) -> dict[str, int]:
+    """Hugging Face's Whisper config dimensions, from a model.bin's shapes and
+    scalars (a CTranslate2 config.json holds none)."""
+    header, data = read_model_file(path)
+    if header.spec != "WhisperSpec":
+        raise CTranslate2FormatError(f"{path}: spec {header.spec} is not supported")
+    v = header.variables
+
+    def count(side: str) -> int:
+        names = (n.split("/")[1] for n in v if n.startswith(f"{side}/layer_"))
+        return len({n for n in names if n.removeprefix("layer_").isdigit()})
+
+    try:
+        return {
+            "d_model": v["decoder/embeddings/weight"].shape[1],
+            "vocab_size": v["decoder/embeddings/weight"].shape[0],
+            "num_mel_bins": v["encoder/conv1/weight"].shape[1],
+            "encoder_layers": count("encoder"),
+            "encoder_attention_heads": header.scalar("encoder/num_heads", data),
+            "encoder_ffn_dim": v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
+            "decoder_layers": count("decoder"),
+            "decoder_attention_heads": header.scalar("decoder/num_heads", data),
+            "decoder_ffn_dim": v["decoder/layer_0/ffn/linear_0/weight"].shape[0],
+            "max_source_positions": v["encoder/position_encodings/encodings"].shape[0],
+            "max_target_positions": v["decoder/position_encodings/encodings"].shape[0],
+        }
+    except KeyError as e:
+        raise CTranslate2FormatError(f"{path}: model.bin lacks {e}") from e
 
 
 # CTranslate2's Whisper names → Hugging Face's, within a layer (None: split below).
