@@ -120,6 +120,8 @@ class ModelConfig:
     pooler: PoolerConfig | None = None  # the pooling config found next to the weights
     whisper: WhisperConfig | None = None  # set for Whisper (encoder-decoder) models
     moe: MoeConfig | None = None  # set for mixtures of experts
+    # OLMoE: the q/k RMSNorm spans the whole projection, not each head.
+    qk_norm_whole: bool = False
 
     @property
     def is_encoder(self) -> bool:
@@ -378,7 +380,8 @@ def _config_from_hf_dir(path: str) -> ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+            qk_norm_whole=arch == "OlmoeForCausalLM",
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
@@ -398,6 +401,16 @@ def _moe_config(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
             top_k=int(raw["num_experts_per_tok"]),
             intermediate_size=int(raw["intermediate_size"]),
             renormalize=True,
+            sparse_layers=tuple(range(layers)),
+        )
+    if arch == "OlmoeForCausalLM":
+        if raw.get("clip_qkv") is not None:
+            raise ModelLoadError("OLMoE with clip_qkv is not supported")
+        return MoeConfig(
+            num_experts=int(raw["num_experts"]),
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            renormalize=bool(raw.get("norm_topk_prob", False)),
             sparse_layers=tuple(range(layers)),
         )
     if arch == "Qwen3MoeForCausalLM":

@@ -23,6 +23,7 @@ DECODERS = {
     # Mixtures of experts: the same decoder with models/moe.py's MLP.
     "Qwen3MoeForCausalLM": "llama:LlamaModel",
     "MixtralForCausalLM": "llama:LlamaModel",
+    "OlmoeForCausalLM": "llama:LlamaModel",
 }
 ENCODERS = {
     "BertModel": "bert:BertModel",

@@ -403,6 +403,15 @@ class LlamaModel:
         """q [T, heads, d], k and v [T, kv_heads, d]: views of the fused projection."""
         cfg = self.config
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if cfg.qk_norm_whole and layer.q_norm is not None and layer.k_norm is not None:
+            # OLMoE: one RMSNorm over all of q's (and k's) heads.
+            q = rms_norm_torch(q.contiguous(), layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm_torch(k.contiguous(), layer.k_norm, cfg.rms_norm_eps)
+            return (
+                q.view(-1, cfg.num_heads, cfg.head_dim),
+                k.view(-1, cfg.num_kv_heads, cfg.head_dim),
+                v.reshape(-1, cfg.num_kv_heads, cfg.head_dim),
+            )
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)

@@ -183,6 +183,10 @@ def check_tensor_parallel(
         raise ValueError("encoder (pooling) models run at --tensor-parallel-size 1 only")
     if mc.whisper is not None:
         raise ValueError("Whisper models run at --tensor-parallel-size 1 only")
+    if mc.qk_norm_whole:
+        raise ValueError(
+            "OLMoE normalizes q and k over all heads: it runs at --tensor-parallel-size 1 only"
+        )
     if mc.num_heads % size:
         raise ValueError(
             f"the model's {mc.num_heads} attention heads do not divide by "

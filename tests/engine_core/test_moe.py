@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.engine import EngineCore
@@ -66,6 +66,10 @@ def build(kind: str, directory: Path) -> Path:
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
+    elif kind == "olmoe":
+        config = OlmoeConfig(
+            **common, intermediate_size=32, num_experts=6, eos_token_id=1, pad_token_id=0
+        )
     else:
         config = MixtralConfig(**common, intermediate_size=32, num_local_experts=6)
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
@@ -80,7 +84,7 @@ def build(kind: str, directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
-    return {kind: build(kind, root / kind) for kind in ("qwen3_moe", "mixtral")}
+    return {kind: build(kind, root / kind) for kind in ("qwen3_moe", "mixtral", "olmoe")}
 
 
 @pytest.mark.slow
@@ -173,3 +177,34 @@ def test_expert_parallel_logprobs_match_one_rank(moe_models: dict[str, Path]) ->
         for a, b in zip(one.logprobs, two.logprobs, strict=True):
             assert a.token_ids == b.token_ids
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.slow
+def test_olmoe_matches_transformers_and_refuses_tensor_parallelism(
+    moe_models: dict[str, Path],
+) -> None:
+    """OLMoE: q/k normalized over all heads, top-k weights not renormalized."""
+    path = moe_models["olmoe"]
+    config = load_model_config(str(path))
+    assert config.qk_norm_whole and config.moe is not None and not config.moe.renormalize
+    prompts = random_prompts(6, 3, VOCAB, 4, 30)
+    engine = EngineCore(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            kv_cache_memory_bytes=4 << 20,
+            max_num_batched_tokens=32,
+            num_threads=NUM_THREADS,
+        )
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        adds = [AddRequest(f"o{i}", p, params, 0.0) for i, p in enumerate(prompts)]
+        records = run_to_completion(engine, adds).records
+    finally:
+        engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for i, tokens in enumerate(hf_greedy(hf, prompts, 10)):
+        assert records[f"o{i}"].token_ids == tokens, i
+    with pytest.raises(ValueError, match="OLMoE normalizes q and k over all heads"):
+        EngineCore(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
