@@ -91,6 +91,9 @@ def start_browser() -> Any:
     options = webdriver.ChromeOptions()
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(flag)
+    # A fake microphone (a tone), granted without asking.
+    options.add_argument("--use-fake-device-for-media-stream")
+    options.add_argument("--use-fake-ui-for-media-stream")
     options.add_argument("--window-size=1200,800")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     browser = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
@@ -379,7 +382,9 @@ def test_whisper_server_transcribes_an_uploaded_file(tmp_path: Path) -> None:
         assert not browser.find_element("id", "tab-chat").is_displayed()
         browser.find_element("id", "audio-file").send_keys(str(clip))
         browser.find_element("id", "transcribe-run").click()
-        shown = wait_for(lambda: browser.find_element("id", "transcript").text, timeout=60)
+        shown = wait_for(
+            lambda: browser.find_element("id", "transcript").text.strip("…"), timeout=60
+        )
         with clip.open("rb") as f:
             r = httpx.post(
                 url + "/v1/audio/transcriptions",
@@ -388,3 +393,10 @@ def test_whisper_server_transcribes_an_uploaded_file(tmp_path: Path) -> None:
                 timeout=60,
             )
         assert shown == r.json()["text"].strip() and "lazy dog" in shown.lower(), shown
+        # The microphone: recorded, sent as WAV, answered (a tone has no words to find).
+        browser.find_element("id", "record").click()
+        time.sleep(1.5)
+        browser.find_element("id", "record").click()
+        wait_for(lambda: browser.find_element("id", "transcript").text not in ("", "…", shown))
+        error = browser.find_element("id", "error")
+        assert not error.is_displayed(), error.text
