@@ -170,10 +170,15 @@ def test_every_response_format(client: Any, clips: list[np.ndarray]) -> None:
     assert vtt == f"WEBVTT\n\n00:00:00.000 --> {end.replace(',', '.')}\n{text}\n"
 
 
-def test_tokens_equal_faster_whisper(client: Any, clips: list[np.ndarray]) -> None:
+@pytest.fixture(scope="module")
+def one_at_a_time(client: Any, clips: list[np.ndarray]) -> list[Any]:
+    """Each clip's verbose_json transcript, one request at a time."""
+    return [transcribe(client, wav(clip), response_format="verbose_json") for clip in clips]
+
+
+def test_tokens_equal_faster_whisper(clips: list[np.ndarray], one_at_a_time: list[Any]) -> None:
     expected = reference_tokens(clips)
-    for clip, sentence, tokens in zip(clips, SENTENCES, expected, strict=True):
-        verbose = transcribe(client, wav(clip), response_format="verbose_json")
+    for verbose, sentence, tokens in zip(one_at_a_time, SENTENCES, expected, strict=True):
         assert verbose.segments[0].tokens == tokens, (sentence, verbose.text)
         assert word_error_rate(sentence, verbose.text) < MAX_WORD_ERROR_RATE, verbose.text
 
@@ -203,18 +208,20 @@ def test_long_audio_is_cut_into_windows(client: Any, clips: list[np.ndarray]) ->
     for segment in verbose.segments:
         assert segment.end - segment.start <= 30.0
     assert word_error_rate(" ".join(SENTENCES), verbose.text) < MAX_WORD_ERROR_RATE
-    srt = transcribe(client, wav(audio), response_format="srt")
-    assert srt.count(" --> ") == 3
 
 
-def test_eight_clips_at_once(client: Any, clips: list[np.ndarray]) -> None:
+def test_eight_clips_at_once(
+    client: Any, clips: list[np.ndarray], one_at_a_time: list[Any]
+) -> None:
     audios = [wav(clips[i % len(clips)]) for i in range(8)]
-    alone = [transcribe(client, wav(c)).text for c in clips]
+    alone = [verbose.text for verbose in one_at_a_time]
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(lambda a: transcribe(client, a).text, audios))
     assert texts == [alone[i % len(clips)] for i in range(8)]
 
 
+# The openai client flags its translations call as deprecated; the route is OpenAI's still.
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")
 def test_silence_and_bad_input(client: Any) -> None:
     import openai
 
