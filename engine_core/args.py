@@ -109,6 +109,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: gloo on CPU, nccl on CUDA)",
     )
     g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='KV connector: {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"cpu_bytes": N}} keeps evicted prefix blocks in host memory',
+    )
+    g.add_argument(
         "--sleep-offload-dir",
         default=None,
         help="where sleep level 1 spills CPU weights (default: the system temp dir)",
@@ -219,6 +226,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         grammar_compile_timeout_s=ns.grammar_compile_timeout,
         sleep_offload_dir=ns.sleep_offload_dir,
         paused_request_timeout_s=ns.paused_request_timeout,
+        kv_transfer_config=ns.kv_transfer_config,
         weight_transfer_backend=weight_transfer_backend(ns.weight_transfer_config),
         runner=ns.runner,
         enforce_eager=ns.enforce_eager,

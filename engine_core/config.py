@@ -46,6 +46,10 @@ class EngineConfig:
     # How a trainer sends new weights (vLLM's --weight-transfer-config):
     # {"backend": "gloo" | "nccl" | "file"}; None: gloo on CPU, nccl on CUDA.
     weight_transfer_backend: str | None = None
+    # vLLM's --kv-transfer-config as parsed JSON items: {"kv_connector":
+    # "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes": N}}
+    # keeps evicted prefix blocks in a host-memory tier.
+    kv_transfer_config: str | None = None
     # auto | generate | pooling (vLLM's --runner): "pooling" serves a decoder's
     # embeddings (last-token pooling) instead of generating.
     runner: str = "auto"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pagoda.engine_core.core.kv_offload import HostTier
 from pagoda.engine_core.core.request import Request
 
 
@@ -33,7 +34,19 @@ class KVBlock:
 class BlockManager:
     """Hands out KV blocks to requests and keeps the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        host_tier: HostTier | None = None,
+    ) -> None:
+        """`host_tier`: evicted prefix blocks are kept there and found again
+        (core/kv_offload.py)."""
+        self.host_tier = host_tier if enable_prefix_caching else None
+        # Per request: the prefix blocks get_computed_blocks found in the host
+        # tier (their hashes), which allocate_slots brings back.
+        self._host_hits: dict[str, list[int]] = {}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -76,9 +89,20 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        # Past the device cache, the host tier may hold the next blocks.
+        kept: list[int] = []
+        tier = self.host_tier
+        if tier is not None:
+            for block_hash in hashes[len(hits) : max_blocks]:
+                if block_hash not in tier:
+                    break
+                kept.append(block_hash)
+        if kept:
+            self._host_hits[request.request_id] = kept
+        num_hit = (len(hits) + len(kept)) * self.block_size
         self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.num_prefix_hits += num_hit
+        return hits, num_hit
 
     # -------------------------------------------------------------- allocation
 
@@ -91,8 +115,10 @@ class BlockManager:
         taken over by a request that has no blocks yet.
         """
         computed = computed_block_ids or []
+        # Blocks found in the host tier: fresh device blocks, loaded before the step.
+        kept = self._host_hits.pop(request.request_id, []) if computed_block_ids is not None else []
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        num_computed = request.num_computed_tokens + (len(computed) + len(kept)) * self.block_size
         num_total = num_computed + num_new_tokens
         num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(computed)
         # Cached blocks that nobody holds sit in the free list: taking them
@@ -108,7 +134,16 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_cnt += 1
             blocks.append(block_id)
-        for _ in range(num_needed):
+        if kept:
+            tier = self.host_tier
+            assert tier is not None
+            tier.reserved = set(kept)  # the pops below may save evicted blocks
+            fresh = [self._pop_free_block() for _ in kept]
+            tier.reserved = set()
+            for block_hash, block_id in zip(kept, fresh, strict=True):
+                tier.load(block_hash, block_id)
+            blocks.extend(fresh)
+        for _ in range(num_needed - len(kept)):
             blocks.append(self._pop_free_block())
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, num_total)
@@ -130,7 +165,10 @@ class BlockManager:
                     self.free_blocks.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no request holds; returns how many."""
+        """Forget every cached block that no request holds (and the host tier's);
+        returns how many device blocks."""
+        if self.host_tier is not None:
+            self.host_tier.clear()
         dropped = 0
         for block_id in self.free_blocks:
             block = self.blocks[block_id]
@@ -149,6 +187,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
+                if self.host_tier is not None:  # kept in host memory before it is reused
+                    self.host_tier.save(block_id, block.block_hash)
             block.block_hash = None
         block.ref_cnt = 1
         return block_id

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pagoda.engine_core.config import EngineConfig, default_max_num_batched_tokens
 from pagoda.engine_core.core.block_manager import BlockManager
 from pagoda.engine_core.core.engine_utilities import EngineUtilities
+from pagoda.engine_core.core.kv_offload import HostTier, offloading_bytes
 from pagoda.engine_core.core.lora_manager import LoRAManager, WorkerLoRA
 from pagoda.engine_core.core.plan import GrammarBitmask, SchedulePlan, StepResult
 from pagoda.engine_core.core.request import Request
@@ -92,8 +93,9 @@ class EngineCore(EngineUtilities, TrainingControls):
             and self.model_config.whisper is None
         )
         self.lora = self._start_lora()
+        host_tier = self._start_host_tier(prefix_caching)
         self.scheduler = Scheduler(
-            BlockManager(num_blocks, config.block_size, prefix_caching),
+            BlockManager(num_blocks, config.block_size, prefix_caching, host_tier),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
@@ -314,6 +316,23 @@ class EngineCore(EngineUtilities, TrainingControls):
         ids = [r.request_id for r in self.scheduler.requests.values() if r.client_id == client_id]
         self.scheduler.finish_requests(ids, "abort")
         return len(ids)
+
+    def _start_host_tier(self, prefix_caching: bool) -> HostTier | None:
+        """The host-memory tier of --kv-transfer-config's OffloadingConnector."""
+        cpu_bytes = offloading_bytes(self.config.kv_transfer_config)
+        if cpu_bytes is None:
+            return None
+        if not prefix_caching:
+            raise ValueError(
+                "the OffloadingConnector keeps prefix-cache blocks: enable prefix caching"
+            )
+        per_block = max(self.executor.collective_rpc("kv_block_bytes"))
+        slots = cpu_bytes // per_block
+        if slots < 1:
+            raise ValueError(f"cpu_bytes {cpu_bytes} holds no KV block ({per_block} bytes each)")
+        self.executor.collective_rpc("allocate_host_kv", (slots,))
+        logger.info("host KV tier: %d blocks (%.0f MiB)", slots, slots * per_block / 2**20)
+        return HostTier(slots)
 
     def has_work(self) -> bool:
         paused = self._has_paused_work()

@@ -71,6 +71,10 @@ class SchedulePlan(msgspec.Struct, kw_only=True):
     # (slot, adapter name): adapters to copy into their slots before this step.
     lora_loads: list[tuple[int, str]] = msgspec.field(default_factory=list)
     grammar_bitmask: GrammarBitmask | None = None
+    # The host KV tier (core/kv_offload.py), run before the forward pass, saves
+    # first: (device block, host slot) copied out, (host slot, device block) back in.
+    kv_saves: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -218,12 +218,18 @@ class Scheduler:
         finished = self._finished_since_last_plan
         self._finished_since_last_plan = []
         loads = self.lora_slots.take_pending_loads() if self.lora_slots is not None else []
+        kv_saves: list[tuple[int, int]] = []
+        kv_loads: list[tuple[int, int]] = []
+        if self.block_manager.host_tier is not None:
+            kv_saves, kv_loads = self.block_manager.host_tier.take_copies()
         return SchedulePlan(
             new_requests=new_reqs,
             cached_requests=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             finished_request_ids=finished,
             lora_loads=loads,
+            kv_saves=kv_saves,
+            kv_loads=kv_loads,
         )
 
     # ----------------------------------------------------------------- update

@@ -122,6 +122,9 @@ class ModelRunner(RunnerUtilities):
         self.model = self._load_model()
         self.block_size = config.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The host KV tier's blocks, per layer (key, value): [slots, ...] in pinned
+        # host memory on CUDA, plain memory on the CPU (core/kv_offload.py).
+        self.host_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None  # CUDA only, after the cache exists
         self.requests: dict[str, CachedRequestState] = {}
         self.history = TokenHistory()  # token ids of the penalized requests
@@ -312,8 +315,30 @@ class ModelRunner(RunnerUtilities):
             self._sample(hidden, batch, plan, result)
         return result
 
+    def allocate_host_kv(self, num_slots: int) -> None:
+        pin = self.device.type == "cuda"
+        self.host_kv = [
+            (
+                torch.zeros((num_slots, *k.shape[1:]), dtype=k.dtype, pin_memory=pin),
+                torch.zeros((num_slots, *v.shape[1:]), dtype=v.dtype, pin_memory=pin),
+            )
+            for k, v in self.kv_caches
+        ]
+
+    def _copy_host_kv(self, plan: SchedulePlan) -> None:
+        """The host tier's copies: saves out first, then loads back in."""
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv, strict=True):
+            for block, slot in plan.kv_saves:
+                hk[slot].copy_(k[block])
+                hv[slot].copy_(v[block])
+            for slot, block in plan.kv_loads:
+                k[block].copy_(hk[slot], non_blocking=True)
+                v[block].copy_(hv[slot], non_blocking=True)
+
     def _apply_plan(self, plan: SchedulePlan) -> None:
         """Bring the per-request state up to date with the plan's diffs."""
+        if plan.kv_saves or plan.kv_loads:
+            self._copy_host_kv(plan)
         for slot, name in plan.lora_loads:
             self.load_lora(slot, name)
         for request_id in plan.finished_request_ids:

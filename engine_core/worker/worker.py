@@ -173,6 +173,14 @@ class Worker:
     def weight_checksums(self) -> dict[str, str]:
         return self._decoder("weight updates").weight_checksums()
 
+    def kv_block_bytes(self) -> int:
+        """Bytes one KV block takes on this rank (its layers, its KV heads)."""
+        return self._decoder("the host KV tier").kv_bytes_per_block()
+
+    def allocate_host_kv(self, num_slots: int) -> None:
+        """The host-memory tier's blocks (--kv-transfer-config OffloadingConnector)."""
+        self._decoder("the host KV tier").allocate_host_kv(num_slots)
+
     def start_profile(self) -> None:
         """Start a torch.profiler trace of this rank's steps."""
         activities = [torch.profiler.ProfilerActivity.CPU]

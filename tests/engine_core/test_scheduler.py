@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pagoda.engine_core.core.block_manager import BlockManager
+from pagoda.engine_core.core.kv_offload import HostTier
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
 from pagoda.engine_core.core.request import Request
 from pagoda.engine_core.core.scheduler import Scheduler
@@ -49,10 +50,16 @@ class FakeRunner:
         come back in the next plans (CachedRequestData.new_token_ids)."""
         self.block_size = block_size
         self.keeps_tokens = keeps_tokens
+        self.host: dict[int, list[int | None]] = {}  # host tier slot -> a block's tokens
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.states: dict[str, FakeRequestState] = {}
 
     def execute(self, plan: SchedulePlan) -> StepResult:
+        bs = self.block_size
+        for block, slot in plan.kv_saves:  # the host tier's copies, saves first
+            self.host[slot] = self.slots[block * bs : (block + 1) * bs]
+        for slot, block in plan.kv_loads:
+            self.slots[block * bs : (block + 1) * bs] = self.host[slot]
         for request_id in plan.finished_request_ids:
             assert request_id in self.states, f"told to forget unknown {request_id}"
             del self.states[request_id]
@@ -176,10 +183,12 @@ def make_loop(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
     pipeline_depth: int = 1,
+    host_blocks: int = 0,
 ) -> Loop:
     """`pipeline_depth` > 1: plans in flight as with pipeline stages, the
     runner's sampled tokens sent back in later plans."""
-    bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
+    tier = HostTier(host_blocks) if host_blocks else None
+    bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching, tier)
     pipelined = pipeline_depth > 1
     scheduler = Scheduler(
         bm,
@@ -356,11 +365,13 @@ def test_max_model_len_ends_a_request() -> None:
     assert loop.deltas["r"][-1].finish_reason == "length"
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize(("depth", "host_blocks"), [(1, 0), (2, 0), (3, 0), (1, 6), (2, 3)])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload(seed: int, depth: int) -> None:
+def test_random_workload(seed: int, depth: int, host_blocks: int) -> None:
     """Shared prefixes, arrivals over time, aborts and tight blocks, all checked;
-    with `depth` plans in flight as pipeline stages keep them."""
+    with `depth` plans in flight as pipeline stages keep them, and a host tier
+    of `host_blocks` whose copies the fake runner makes (a wrong copy shows as
+    a wrong context)."""
     rng = random.Random(seed)
     enable_prefix_caching = seed % 2 == 0
     num_blocks = rng.randint(12, 40)
@@ -372,6 +383,7 @@ def test_random_workload(seed: int, depth: int) -> None:
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
         pipeline_depth=depth,
+        host_blocks=host_blocks,
     )
     prefixes = [prompt(100 + k, rng.randint(1, 20)) for k in range(3)]
     pending: list[Request] = []

@@ -1,0 +1,108 @@
+"""A host-memory tier for prefix-cache blocks (vLLM's OffloadingConnector).
+
+Imports no torch. When the block manager hands out a free block that still
+holds a cached prefix, the tier keeps a copy of it in host memory first (the
+worker copies the block into a host slot before the step that overwrites
+it); when a later prompt's prefix runs past what the device cache holds, the
+blocks the tier has come back into fresh device blocks (copied before the
+step that reads them) instead of being computed again. The tier is an LRU
+of `num_slots` slots keyed by the blocks' chained prefix hashes, so a hit
+is exactly the content the same tokens (and adapter, and salt) produced.
+
+The copies travel in the plan (`SchedulePlan.kv_saves`, `kv_loads`) and a
+worker runs them before the forward pass, saves first, in plan order: a
+slot saved in one plan and loaded in a later one reads what was saved; a
+slot about to be loaded in the current plan is never chosen to save into.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+
+class HostTier:
+    """Which prefix blocks the host slots hold, and the copies the next plan carries."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("the host KV tier needs room for at least one block")
+        self.num_slots = num_slots
+        self.slots: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, LRU first
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.saves: list[tuple[int, int]] = []  # (device block, slot) for the next plan
+        self.loads: list[tuple[int, int]] = []  # (slot, device block) for the next plan
+        # Blocks about to be loaded: their slots are not given to new saves.
+        self.reserved: set[int] = set()
+        self.num_saved = 0  # blocks copied out
+        self.num_loaded = 0  # blocks brought back (prefix hits from this tier)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self.slots
+
+    def save(self, block_id: int, block_hash: int) -> None:
+        """Keep a block that is about to be reused (once per content)."""
+        if block_hash in self.slots:
+            self.slots.move_to_end(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return  # every slot is being loaded in this plan: this block is not kept
+        self.slots[block_hash] = slot
+        self.saves.append((block_id, slot))
+        self.num_saved += 1
+
+    def load(self, block_hash: int, block_id: int) -> None:
+        """Bring a kept block back into `block_id` before the next forward pass."""
+        slot = self.slots[block_hash]
+        self.slots.move_to_end(block_hash)
+        self.loads.append((slot, block_id))
+        self.num_loaded += 1
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The saves and loads for the plan being built (and forget them here)."""
+        saves, loads = self.saves, self.loads
+        self.saves, self.loads = [], []
+        return saves, loads
+
+    def clear(self) -> None:
+        """Forget every kept block (a weight update makes them stale)."""
+        self.slots.clear()
+        self.free = list(range(self.num_slots - 1, -1, -1))
+
+    def _take_slot(self) -> int | None:
+        if self.free:
+            return self.free.pop()
+        loading = {slot for slot, _ in self.loads}
+        for block_hash, slot in self.slots.items():  # least recently used first
+            if slot not in loading and block_hash not in self.reserved:
+                del self.slots[block_hash]
+                return slot
+        return None
+
+
+def offloading_bytes(kv_transfer_config: str | None) -> int | None:
+    """The host tier's size from --kv-transfer-config (None: no connector).
+
+    Only the OffloadingConnector is available; a config naming another
+    connector, or one that is not JSON, is a clear error at start.
+    """
+    if kv_transfer_config is None:
+        return None
+    try:
+        config: Any = json.loads(kv_transfer_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object")
+    connector = config.get("kv_connector")
+    if connector != "OffloadingConnector":
+        raise ValueError(f"KV connector {connector!r} is not available; the OffloadingConnector is")
+    extra = config.get("kv_connector_extra_config") or {}
+    cpu_bytes = extra.get("cpu_bytes") if isinstance(extra, dict) else None
+    if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes <= 0:
+        raise ValueError(
+            "the OffloadingConnector needs kv_connector_extra_config.cpu_bytes, a positive integer"
+        )
+    return cpu_bytes
