@@ -21,17 +21,23 @@ def plot_concurrency(series: dict[str, list[dict[str, Any]]], path: str) -> None
         raise SystemExit("--plot needs matplotlib: pip install 'pagoda[bench]'") from None
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for label, reports in series.items():
+    ticks: set[int] = set()
+    for i, (label, reports) in enumerate(series.items()):
         rows = sorted(reports, key=lambda r: r["max_concurrency"])
         x = [r["max_concurrency"] for r in rows]
-        left.plot(x, [r["output_throughput"] for r in rows], "o-", label=label)
-        right.plot(x, [r["median_ttft_ms"] for r in rows], "o-", label=f"{label} median")
-        right.plot(x, [r["p99_ttft_ms"] for r in rows], "x--", label=f"{label} p99")
+        ticks.update(x)
+        color = f"C{i}"
+        left.plot(x, [r["output_throughput"] for r in rows], "o-", color=color, label=label)
+        median = [r["median_ttft_ms"] for r in rows]
+        right.plot(x, median, "o-", color=color, label=f"{label} median")
+        right.plot(x, [r["p99_ttft_ms"] for r in rows], "x--", color=color, label=f"{label} p99")
     for axis, ylabel, title in (
         (left, "output tokens / s", "Output throughput"),
         (right, "TTFT (ms)", "Time to first token"),
     ):
         axis.set_xscale("log", base=2)
+        axis.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+        axis.minorticks_off()
         axis.set_xlabel("max concurrency")
         axis.set_ylabel(ylabel)
         axis.set_title(title)
