@@ -100,15 +100,20 @@ def _concurrencies(text: str) -> list[int]:
 def run_serve(ns: argparse.Namespace) -> int:
     if ns.plot and not ns.max_concurrency:
         raise SystemExit("pagoda bench serve: --plot needs --max-concurrency values")
-    if ns.num_prompts < 1:
-        raise SystemExit("pagoda bench serve: --num-prompts must be at least 1")
+    if min(ns.num_prompts, ns.random_input_len, ns.random_output_len) < 1:
+        raise SystemExit(
+            "pagoda bench serve: --num-prompts, --random-input-len and --random-output-len "
+            "must be at least 1"
+        )
+    if ns.request_rate <= 0:
+        raise SystemExit("pagoda bench serve: --request-rate must be positive (or inf)")
     try:
-        import aiohttp  # noqa: F401
+        import aiohttp
     except ImportError:
         raise SystemExit("pagoda bench serve needs aiohttp: pip install 'pagoda[bench]'") from None
     try:
         reports = asyncio.run(_run_all(ns))
-    except ValueError as e:
+    except (ValueError, aiohttp.ClientError) as e:
         raise SystemExit(f"pagoda bench serve: {e}") from None
     for report in reports:
         print_report(report)
