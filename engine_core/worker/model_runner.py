@@ -327,13 +327,18 @@ class ModelRunner(RunnerUtilities):
 
     def _copy_host_kv(self, plan: SchedulePlan) -> None:
         """The host tier's copies: saves out first, then loads back in."""
+        device = self.device
+        saves = torch.tensor(plan.kv_saves, dtype=torch.long).reshape(-1, 2)
+        loads = torch.tensor(plan.kv_loads, dtype=torch.long).reshape(-1, 2)
+        save_blocks, save_slots = saves[:, 0].to(device), saves[:, 1]
+        load_slots, load_blocks = loads[:, 0], loads[:, 1].to(device)
         for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv, strict=True):
-            for block, slot in plan.kv_saves:
-                hk[slot].copy_(k[block])
-                hv[slot].copy_(v[block])
-            for slot, block in plan.kv_loads:
-                k[block].copy_(hk[slot], non_blocking=True)
-                v[block].copy_(hv[slot], non_blocking=True)
+            if len(saves):
+                hk[save_slots] = k[save_blocks].to(hk.device)
+                hv[save_slots] = v[save_blocks].to(hv.device)
+            if len(loads):
+                k[load_blocks] = hk[load_slots].to(device, non_blocking=True)
+                v[load_blocks] = hv[load_slots].to(device, non_blocking=True)
 
     def _apply_plan(self, plan: SchedulePlan) -> None:
         """Bring the per-request state up to date with the plan's diffs."""
