@@ -14,17 +14,28 @@ token: they were trained to transcribe English and nothing else, so they
 cannot translate. The prompt text is encoded as " " + text.strip() and, as in
 Whisper, only its last 223 tokens (half the decoder's 448 positions, less
 one) are kept.
+
+Whisper's non-speech tokens (music notes, brackets, speaker dashes: the
+list its `suppress_tokens=[-1]` names) never come out, as in Whisper and
+faster-whisper by default: without that, silence reads "[BLANK_AUDIO]" and
+noise "(wind howling)". The list is the model's own (`suppress_ids` in a
+CTranslate2 config.json, `suppress_tokens` in a Hugging Face config.json or
+generation_config.json), applied as a logit bias of -100 at every step, far
+below any logit Whisper produces.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagoda.frontend.tokenizer import Tokenizer
 
 MULTILINGUAL_VOCAB_SIZE = 51_865
 MAX_PROMPT_TOKENS = 448 // 2 - 1
 TIMESTAMP_SECONDS = 0.02
+SUPPRESS_BIAS = -100.0  # the lowest logit bias SamplingParams takes
 
 # Whisper's languages: code → the name OpenAI's API reports in verbose_json.
 LANGUAGES = {
@@ -73,6 +84,7 @@ class WhisperTokens:
     translate: int | None
     language_ids: dict[str, int]  # empty on an English-only model
     multilingual: bool
+    suppress_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int) -> WhisperTokens:
@@ -100,7 +112,12 @@ class WhisperTokens:
             translate=token_id("<|translate|>") if multilingual else None,
             language_ids=languages,
             multilingual=multilingual,
+            suppress_ids=read_suppress_ids(Path(tokenizer.path)),
         )
+
+    def suppress_bias(self) -> dict[int, float]:
+        """The logit bias that keeps the non-speech tokens out."""
+        return {token_id: SUPPRESS_BIAS for token_id in self.suppress_ids}
 
     def check_language(self, language: str | None) -> str:
         """The language code to decode in: `language` when the model knows it."""
@@ -150,3 +167,20 @@ class WhisperTokens:
         if text is None or not text.strip():
             return []
         return tokenizer.encode(" " + text.strip(), add_special_tokens=False)
+
+
+def read_suppress_ids(model_dir: Path) -> tuple[int, ...]:
+    """The model's non-speech token ids, from its config files; none found: ()."""
+    for name, key in (
+        ("config.json", "suppress_ids"),  # CTranslate2
+        ("config.json", "suppress_tokens"),  # Hugging Face
+        ("generation_config.json", "suppress_tokens"),
+    ):
+        try:
+            config = json.loads((model_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        ids = config.get(key) if isinstance(config, dict) else None
+        if isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids):
+            return tuple(ids)
+    return ()

@@ -128,6 +128,7 @@ class AudioServer:
             repetition_penalty=req.repetition_penalty,
             max_tokens=req.max_completion_tokens,
             stop_token_ids=[self.whisper.end_of_text],
+            logit_bias=self.whisper.suppress_bias() or None,
             logprobs=0,  # the sampled tokens' logprobs, for avg_logprob
         )
         kind = "transcription" if task == "transcribe" else "translation"

@@ -12,6 +12,7 @@ import io
 import json
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from pagoda.frontend.async_llm import AsyncLLM
 from pagoda.frontend.metrics import FrontendMetrics
 from pagoda.frontend.outputs import CompletionOutput, RequestOutput
 from pagoda.frontend.tokenizer import Tokenizer
-from pagoda.frontend.whisper_tokens import WhisperTokenError, WhisperTokens
+from pagoda.frontend.whisper_tokens import WhisperTokenError, WhisperTokens, read_suppress_ids
 from pagoda.protocol.messages import PROTOCOL_VERSION, Ready, SchedulerStats
 
 ENGLISH_ONLY_VOCAB = 51_864
@@ -139,6 +140,17 @@ def test_multilingual_prompts(tokenizer: Tokenizer) -> None:
     ]
 
 
+def test_suppress_ids_from_either_config_format(tmp_path: Path, whisper_dir: str) -> None:
+    ct2 = json.loads(Path(whisper_dir, "config.json").read_text())["suppress_ids"]
+    assert read_suppress_ids(Path(whisper_dir)) == tuple(ct2)
+    assert read_suppress_ids(tmp_path) == ()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "whisper"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"suppress_tokens": [1, 2]}))
+    assert read_suppress_ids(tmp_path) == (1, 2)
+    (tmp_path / "config.json").write_text(json.dumps({"suppress_tokens": [3]}))
+    assert read_suppress_ids(tmp_path) == (3,)
+
+
 # ------------------------------------------------- routes, engine stood in for
 
 
@@ -165,6 +177,7 @@ class CannedAsyncLLM(AsyncLLM):
         metrics = FrontendMetrics("whisper-test")
         super().__init__(client, tokenizer, metrics=metrics)  # type: ignore[arg-type]
         self.calls: list[dict[str, Any]] = []
+        self.whisper_config = json.loads(Path(tokenizer.path, "config.json").read_text())
 
     async def generate_tokens(  # type: ignore[override]
         self, prompt: Any, prompt_token_ids: list[int], params: Any, request_id: str,
@@ -292,6 +305,10 @@ def test_formats_shaped_from_engine_outputs(engine: CannedAsyncLLM) -> None:
     assert len(call["features"]) == 80 * 3000 * 4
     assert call["prompt"] == [50257, 50362]
     assert call["params"].stop_token_ids == [50256]
+    # Whisper's non-speech tokens, from the model's config.json, are kept out.
+    bias = call["params"].logit_bias
+    assert len(bias) == 90 and set(bias.values()) == {-100.0}
+    assert bias.keys() == set(engine.whisper_config["suppress_ids"])
 
     response = post(client, files=audio, data={"response_format": "text"})
     assert response.headers["content-type"].startswith("text/plain")
