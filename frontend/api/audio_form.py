@@ -3,7 +3,8 @@
 OpenAI's fields: `file` (an uploaded file; the same name as a text field is
 a 400), `model`, `language`, `prompt`, `response_format` (json, text,
 verbose_json, srt, vtt), `timestamp_granularities[]`, `temperature` (0 to 1),
-`stream`, `stream_include_usage`; vLLM's sampling extras `top_p`, `top_k`,
+`stream`, `stream_include_usage`; vLLM's `stream_continuous_usage_stats`
+(token usage on every streamed chunk) and its sampling extras `top_p`, `top_k`,
 `min_p`, `seed`, `repetition_penalty`, `max_completion_tokens`. A file over
 --max-audio-file-bytes is a 413.
 """
@@ -46,6 +47,7 @@ class AudioRequest:
     temperature: float
     stream: bool
     stream_include_usage: bool
+    stream_continuous_usage_stats: bool
     top_p: float
     top_k: int
     min_p: float
@@ -127,6 +129,11 @@ def parse_audio_form(
     include_usage = _flag(form, "stream_include_usage")
     if include_usage and not stream:
         raise APIError(400, "stream_include_usage needs stream", "stream_include_usage")
+    continuous_usage = _flag(form, "stream_continuous_usage_stats")
+    if continuous_usage and not stream:
+        raise APIError(
+            400, "stream_continuous_usage_stats needs stream", "stream_continuous_usage_stats"
+        )
     if stream and response_format not in ("json", "text"):
         raise APIError(
             400, f"streaming gives text deltas; response_format {response_format} cannot stream",
@@ -145,6 +152,7 @@ def parse_audio_form(
         temperature=temperature,
         stream=stream,
         stream_include_usage=include_usage,
+        stream_continuous_usage_stats=continuous_usage,
         top_p=_number(form, "top_p", float, 1.0),
         top_k=_number(form, "top_k", int, 0),
         min_p=_number(form, "min_p", float, 0.0),

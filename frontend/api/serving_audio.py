@@ -45,6 +45,7 @@ from pagoda.frontend.api.common import (
     sse_with_errors,
     unavailable,
     unless_disconnected,
+    usage,
 )
 from pagoda.frontend.api.errors import APIError
 from pagoda.frontend.api.subtitles import Segment, to_srt, to_vtt
@@ -209,6 +210,11 @@ class AudioServer:
     ) -> AsyncIterator[str]:
         """Text deltas in the audio's order: a later window's text waits for
         the windows before it to finish."""
+
+        def token_usage() -> dict[str, int]:
+            num_prompts = num_prompt * len(streams)  # every window has the prompt
+            return usage(num_prompts, num_completion)
+
         created = now()
         base = {"id": request_id, "object": f"{kind}.chunk", "created": created, "model": model}
         pending: list[list[tuple[str, str | None]]] = [[] for _ in streams]
@@ -225,7 +231,10 @@ class AudioServer:
                 for text, finish in pending[current]:
                     if text or finish is not None:
                         choice = {"delta": {"content": text}, "finish_reason": finish}
-                        yield sse({**base, "choices": [{**choice, "stop_reason": None}]})
+                        chunk = {**base, "choices": [{**choice, "stop_reason": None}]}
+                        if req.stream_continuous_usage_stats:
+                            chunk["usage"] = token_usage()  # tokens so far
+                        yield sse(chunk)
                 pending[current] = []
                 if not done[current]:
                     break
@@ -233,13 +242,8 @@ class AudioServer:
         if current < len(streams):
             raise unavailable("the transcription was aborted")
         if req.stream_include_usage:
-            usage = {
-                **usage_seconds(duration),
-                "prompt_tokens": num_prompt * len(streams),
-                "completion_tokens": num_completion,
-                "total_tokens": num_prompt * len(streams) + num_completion,
-            }
-            yield sse({**base, "choices": [], "usage": usage})
+            final = {**usage_seconds(duration), **token_usage()}
+            yield sse({**base, "choices": [], "usage": final})
 
 
 def _segment_json(

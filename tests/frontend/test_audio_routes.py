@@ -366,3 +366,16 @@ def test_metrics_count_audio_seconds(engine: CannedAsyncLLM) -> None:
     text = client.get("/metrics").text
     assert 'pagoda:audio_seconds_total{model_name="whisper-test"} 90.0' in text
     assert 'pagoda:audio_real_time_factor_count{model_name="whisper-test"} 2.0' in text
+
+
+def test_stream_continuous_usage(engine: CannedAsyncLLM) -> None:
+    client = client_for(engine)
+    audio = {"file": ("a.wav", wav_bytes(3.0), "audio/wav")}
+    data = {"stream": "true", "stream_continuous_usage_stats": "true"}
+    with client.stream("POST", "/v1/audio/transcriptions", files=audio, data=data) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    usages = [json.loads(line.removeprefix("data: "))["usage"] for line in lines]
+    assert [u["completion_tokens"] for u in usages] == [1, 2]
+    assert all(u["prompt_tokens"] == 2 for u in usages)
+    response = post(client, files=audio, data={"stream_continuous_usage_stats": "true"})
+    assert response.status_code == 400
