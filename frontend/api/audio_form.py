@@ -29,6 +29,51 @@ DEFAULT_MAX_AUDIO_FILE_BYTES = 25 << 20
 MULTIPART_SLACK_BYTES = 1 << 20
 
 
+def _field(kind: str, description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": kind, "description": description, **extra}
+
+
+# The form as OpenAPI describes it (the routes read it by hand, to tell a text
+# field from a file and to check the file's size first).
+AUDIO_FORM_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": _field("string", "WAV, FLAC, OGG or MP3", format="binary"),
+                        "model": _field("string", "the served model's name"),
+                        "language": _field("string", "ISO-639-1 code of the speech"),
+                        "prompt": _field("string", "text the speech continues"),
+                        "response_format": _field(
+                            "string", "the answer's format", enum=list(RESPONSE_FORMATS)
+                        ),
+                        "timestamp_granularities[]": _field(
+                            "array",
+                            "verbose_json only",
+                            items={"type": "string", "enum": ["segment"]},
+                        ),
+                        "temperature": _field("number", "0 to 1", minimum=0, maximum=1),
+                        "stream": _field("boolean", "server-sent text deltas"),
+                        "stream_include_usage": _field("boolean", "a last usage chunk"),
+                        "stream_continuous_usage_stats": _field("boolean", "usage on every chunk"),
+                        "top_p": _field("number", "nucleus sampling"),
+                        "top_k": _field("integer", "top-k sampling; 0: off"),
+                        "min_p": _field("number", "min-p sampling"),
+                        "seed": _field("integer", "sampling seed"),
+                        "repetition_penalty": _field("number", "1: off"),
+                        "max_completion_tokens": _field("integer", "tokens per 30 s window"),
+                    },
+                }
+            }
+        },
+    }
+}
+
+
 def audio_body_limit(max_request_body_bytes: int, max_audio_file_bytes: int) -> int:
     """The request body limit of a server that takes audio uploads."""
     return max(max_request_body_bytes, max_audio_file_bytes + MULTIPART_SLACK_BYTES)

@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from pagoda.frontend.api.audio_form import AudioRequest, read_audio_form
+from pagoda.frontend.api.audio_form import AUDIO_FORM_OPENAPI, AudioRequest, read_audio_form
 from pagoda.frontend.api.common import (
     check_model,
     merge_streams,
@@ -301,11 +301,11 @@ def build_router(
     router = APIRouter()
     server = AudioServer(engine, served, max_file_bytes)
 
-    @router.post("/v1/audio/transcriptions")
+    @router.post("/v1/audio/transcriptions", openapi_extra=AUDIO_FORM_OPENAPI)
     async def create_transcription(request: Request) -> Any:
         return await counted(lambda: server.handle("transcribe", request))
 
-    @router.post("/v1/audio/translations")
+    @router.post("/v1/audio/translations", openapi_extra=AUDIO_FORM_OPENAPI)
     async def create_translation(request: Request) -> Any:
         return await counted(lambda: server.handle("translate", request))
 

@@ -379,3 +379,11 @@ def test_stream_continuous_usage(engine: CannedAsyncLLM) -> None:
     assert all(u["prompt_tokens"] == 2 for u in usages)
     response = post(client, files=audio, data={"stream_continuous_usage_stats": "true"})
     assert response.status_code == 400
+
+
+def test_openapi_describes_the_form(engine: CannedAsyncLLM) -> None:
+    schema = client_for(engine).get("/openapi.json").json()
+    for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]
+        assert body["schema"]["required"] == ["file"]
+        assert body["schema"]["properties"]["file"]["format"] == "binary"
