@@ -85,6 +85,7 @@ class WhisperTokens:
     language_ids: dict[str, int]  # empty on an English-only model
     multilingual: bool
     suppress_ids: tuple[int, ...] = ()
+    no_speech: int | None = None  # <|nocaptions|> (<|nospeech|> in newer vocabularies)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int) -> WhisperTokens:
@@ -113,6 +114,14 @@ class WhisperTokens:
             language_ids=languages,
             multilingual=multilingual,
             suppress_ids=read_suppress_ids(Path(tokenizer.path)),
+            no_speech=next(
+                (
+                    int(found)
+                    for token in ("<|nocaptions|>", "<|nospeech|>")
+                    if (found := tokenizer.backend.token_to_id(token)) is not None
+                ),
+                None,
+            ),
         )
 
     def suppress_bias(self) -> dict[int, float]:
@@ -161,6 +170,11 @@ class WhisperTokens:
             ids += [self.language_ids[language], task_id]
         ids.append(self.no_timestamps)
         return ids
+
+    def no_speech_prompt(self, decoder_prompt: list[int]) -> list[int]:
+        """`decoder_prompt` up to <|startoftranscript|>: the position after it is
+        where Whisper reads the probability of no speech."""
+        return decoder_prompt[: decoder_prompt.index(self.start_of_transcript) + 1]
 
     def encode_prompt(self, tokenizer: Tokenizer, text: str | None) -> list[int]:
         """The prompt text's tokens, as Whisper encodes previous text (a leading space)."""

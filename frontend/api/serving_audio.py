@@ -63,6 +63,9 @@ from pagoda.frontend.whisper_tokens import LANGUAGES, WhisperTokenError, Whisper
 from pagoda.protocol.sampling_params import SamplingParams
 
 AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+# Whisper's defaults for dropping a window's text as no speech.
+NO_SPEECH_THRESHOLD = 0.6
+LOGPROB_THRESHOLD = -1.0
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,37 @@ class AudioServer:
             events = self._stream(request_id, kind, model, streams, len(prompt_ids), duration, req)
             observed = self._observed(events, duration, started)
             return StreamingResponse(sse_with_errors(observed), media_type="text/event-stream")
-        outputs = await unless_disconnected(raw, _collect(streams))
+        no_speech = self._no_speech_streams(request_id, prompt_ids, windows)
+        outputs = await unless_disconnected(raw, _collect([*streams, *no_speech]))
         self._observe(duration, started)
-        return self._response(task, language, req, duration, windows, outputs)
+        texts, no_speech_outputs = outputs[: len(windows)], outputs[len(windows) :]
+        probs: list[float | None] = [self._no_speech_prob(out) for out in no_speech_outputs]
+        probs = probs or [None] * len(windows)
+        return self._response(task, language, req, duration, windows, texts, probs)
+
+    def _no_speech_streams(
+        self, request_id: str, prompt_ids: list[int], windows: list[Window]
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """One request per window reading the probability of <|nocaptions|> after
+        <|startoftranscript|>: one greedy token, that probability requested."""
+        if self.whisper.no_speech is None:
+            return []
+        params = SamplingParams(
+            temperature=0.0, max_tokens=1, logprob_token_ids=[self.whisper.no_speech]
+        )
+        prompt = self.whisper.no_speech_prompt(prompt_ids)
+        return [
+            self.engine.generate_tokens(
+                None, prompt, params, f"{request_id}-nospeech-{i}", "final",
+                encoder_features=window.features,
+            )
+            for i, window in enumerate(windows)
+        ]  # fmt: skip
+
+    def _no_speech_prob(self, out: RequestOutput) -> float:
+        assert self.whisper.no_speech is not None  # no such requests without it
+        position = (out.outputs[0].logprobs or [{}])[0]
+        return math.exp(position[self.whisper.no_speech].logprob)
 
     def _observe(self, duration: float, started: float) -> None:
         if self.engine.metrics is not None:
@@ -173,9 +204,13 @@ class AudioServer:
         duration: float,
         windows: list[Window],
         outputs: list[RequestOutput],
+        no_speech_probs: list[float | None],
     ) -> Response:
-        texts = [out.outputs[0].text for out in outputs]
-        segments = [Segment(w.start, w.end, t) for w, t in zip(windows, texts, strict=True)]
+        silent = [_silent(out, p) for out, p in zip(outputs, no_speech_probs, strict=True)]
+        segments = [
+            Segment(w.start, w.end, "" if quiet else out.outputs[0].text)
+            for w, out, quiet in zip(windows, outputs, silent, strict=True)
+        ]
         text = "".join(s.text for s in segments).strip()
         if req.response_format == "text":
             return PlainTextResponse(text + "\n")
@@ -191,12 +226,40 @@ class AudioServer:
                 "duration": round(duration, 3),
                 "text": text,
                 "segments": [
-                    _segment_json(i, s, out, req.temperature, self.whisper.end_of_text)
-                    for i, (s, out) in enumerate(zip(segments, outputs, strict=True))
+                    self._segment_json(i, s, out, req.temperature, p, quiet)
+                    for i, (s, out, p, quiet) in enumerate(
+                        zip(segments, outputs, no_speech_probs, silent, strict=True)
+                    )
                 ],
             }
         body["usage"] = usage_seconds(duration)
         return JSONResponse(body)
+
+    def _segment_json(
+        self,
+        index: int,
+        segment: Segment,
+        out: RequestOutput,
+        temperature: float,
+        no_speech_prob: float | None,
+        silent: bool,
+    ) -> dict[str, Any]:
+        """One window as a verbose_json segment; `tokens` are its text tokens (no
+        <|endoftext|>; none when the no-speech rule dropped its text)."""
+        sample = out.outputs[0]
+        tokens = [] if silent else [t for t in sample.token_ids if t != self.whisper.end_of_text]
+        return {
+            "id": index,
+            "seek": round(segment.start * SAMPLE_RATE / 160),  # in feature frames, as Whisper
+            "start": round(segment.start, 3),
+            "end": round(segment.end, 3),
+            "text": segment.text,
+            "tokens": tokens,
+            "temperature": temperature,
+            "avg_logprob": _avg_logprob(out),
+            "compression_ratio": _compression_ratio(segment.text.encode("utf-8")),
+            "no_speech_prob": no_speech_prob,
+        }
 
     async def _stream(
         self,
@@ -246,33 +309,24 @@ class AudioServer:
             yield sse({**base, "choices": [], "usage": final})
 
 
-def _segment_json(
-    index: int, segment: Segment, out: RequestOutput, temperature: float, end_of_text: int
-) -> dict[str, Any]:
-    """One window as a verbose_json segment; `tokens` are its text tokens (no
-    <|endoftext|>), `avg_logprob` counts every sampled token, as Whisper's."""
+def _avg_logprob(out: RequestOutput) -> float | None:
+    """The sampled tokens' mean logprob, <|endoftext|> counted (as Whisper's)."""
     sample = out.outputs[0]
-    num_tokens = len(sample.token_ids)
-    avg_logprob = (
-        sample.cumulative_logprob / num_tokens
-        if sample.cumulative_logprob is not None and num_tokens
-        else None
+    if sample.cumulative_logprob is None or not sample.token_ids:
+        return None
+    return sample.cumulative_logprob / len(sample.token_ids)
+
+
+def _silent(out: RequestOutput, no_speech_prob: float | None) -> bool:
+    """Whisper's no-speech rule: a window that likely holds no speech and whose
+    text the model doubts gives no text."""
+    avg_logprob = _avg_logprob(out)
+    return (
+        no_speech_prob is not None
+        and no_speech_prob > NO_SPEECH_THRESHOLD
+        and avg_logprob is not None
+        and avg_logprob < LOGPROB_THRESHOLD
     )
-    text_bytes = segment.text.encode("utf-8")
-    return {
-        "id": index,
-        "seek": round(segment.start * SAMPLE_RATE / 160),  # in feature frames, as Whisper
-        "start": round(segment.start, 3),
-        "end": round(segment.end, 3),
-        "text": segment.text,
-        "tokens": [t for t in sample.token_ids if t != end_of_text],
-        "temperature": temperature,
-        "avg_logprob": avg_logprob,
-        "compression_ratio": _compression_ratio(text_bytes),
-        # The probability of <|nocaptions|> at the start-of-transcript position:
-        # the engine reports logprobs of the generated positions only.
-        "no_speech_prob": None,
-    }
 
 
 def _compression_ratio(text: bytes) -> float:

@@ -4,7 +4,7 @@ driven by the official `openai` client.
 Speech is espeak-ng reading known sentences (the test skips, saying so, when
 espeak-ng is not installed). Two checks of the transcripts:
 
-- token ids: each clip's tokens (verbose_json `segments[].tokens`) equal
+- token ids and no-speech probability: each clip's tokens (verbose_json `segments[].tokens`) equal
   faster-whisper's greedy float32 tokens on the same model.bin and the same
   16 kHz samples, with its default non-speech suppression
   (`suppress_tokens=[-1]`, as Pagoda's logit bias) but not its blank
@@ -122,20 +122,22 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
     return row[-1] / max(len(ref), 1)
 
 
-def reference_tokens(clips: list[np.ndarray]) -> list[list[int]]:
-    """faster-whisper's greedy float32 tokens of each clip (non-speech tokens suppressed)."""
+def reference(clips: list[np.ndarray]) -> list[tuple[list[int], float]]:
+    """faster-whisper's greedy float32 tokens of each clip (non-speech tokens
+    suppressed) and its probability of no speech."""
     from faster_whisper import WhisperModel
 
     model = WhisperModel(model_dir(), device="cpu", compute_type="float32", cpu_threads=2)
-    tokens = []
+    results = []
     for clip in clips:
         segments, _ = model.transcribe(
             clip, beam_size=1, temperature=0.0, without_timestamps=True,
             suppress_tokens=[-1], suppress_blank=False, condition_on_previous_text=False,
             vad_filter=False,
         )  # fmt: skip
-        tokens.append([t for s in segments for t in s.tokens])
-    return tokens
+        [segment] = list(segments)
+        results.append((segment.tokens, segment.no_speech_prob))
+    return results
 
 
 def transcribe(client: Any, audio: bytes, **kwargs: Any) -> Any:
@@ -179,9 +181,13 @@ def one_at_a_time(client: Any, clips: list[np.ndarray]) -> list[Any]:
 
 
 def test_tokens_equal_faster_whisper(clips: list[np.ndarray], one_at_a_time: list[Any]) -> None:
-    expected = reference_tokens(clips)
-    for verbose, sentence, tokens in zip(one_at_a_time, SENTENCES, expected, strict=True):
+    expected = reference(clips)
+    for verbose, sentence, (tokens, no_speech) in zip(
+        one_at_a_time, SENTENCES, expected, strict=True
+    ):
         assert verbose.segments[0].tokens == tokens, (sentence, verbose.text)
+        # Both in float32: they differ in rounding only.
+        assert verbose.segments[0].no_speech_prob == pytest.approx(no_speech, abs=1e-3)
         assert word_error_rate(sentence, verbose.text) < MAX_WORD_ERROR_RATE, verbose.text
 
 
@@ -228,15 +234,12 @@ def test_silence_and_bad_input(client: Any) -> None:
     import openai
 
     # Without the non-speech suppression these read "[BLANK_AUDIO]" and "(wind
-    # howling)". Whisper's no-speech skip (a window whose <|nocaptions|>
-    # probability is over 0.6 gives no text) needs that probability, which the
-    # engine does not report yet: a word Whisper makes up on noise ("you")
-    # or a lone "." may remain, but no bracketed non-speech caption.
+    # howling)"; without the no-speech rule, "." and "you".
     silence = transcribe(client, wav(np.zeros(3 * SAMPLE_RATE, dtype=np.float32)))
     noise = 0.1 * np.random.default_rng(0).standard_normal(5 * SAMPLE_RATE)
     noisy = transcribe(client, wav(noise.astype(np.float32)))
     for text in (silence.text, noisy.text):
-        assert len(text) < 20 and not any(c in text for c in "[]()♪"), text
+        assert text == ""
     with pytest.raises(openai.BadRequestError, match="could not be decoded"):
         transcribe(client, b"this is not audio" * 100)
     with pytest.raises(openai.BadRequestError, match="English-only"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from pagoda.frontend.api.app import FrontendConfig, build_app
 from pagoda.frontend.api.subtitles import Segment, timestamp, to_srt, to_vtt
 from pagoda.frontend.async_llm import AsyncLLM
 from pagoda.frontend.metrics import FrontendMetrics
-from pagoda.frontend.outputs import CompletionOutput, RequestOutput
+from pagoda.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.frontend.tokenizer import Tokenizer
 from pagoda.frontend.whisper_tokens import WhisperTokenError, WhisperTokens, read_suppress_ids
 from pagoda.protocol.messages import PROTOCOL_VERSION, Ready, SchedulerStats
@@ -171,12 +172,15 @@ class CannedAsyncLLM(AsyncLLM):
     instead of running a model; records what the routes asked for."""
 
     texts = [" Hello there.", " And more."]
+    no_speech_probs = [0.1, 0.1]  # of each window's <|nocaptions|>
+    logprob_per_token = -0.5
 
     def __init__(self, tokenizer: Tokenizer, tasks: list[str]) -> None:
         client = StandInEngineClient(tasks)
         metrics = FrontendMetrics("whisper-test")
         super().__init__(client, tokenizer, metrics=metrics)  # type: ignore[arg-type]
         self.calls: list[dict[str, Any]] = []
+        self.no_speech_calls: list[list[int]] = []
         self.whisper_config = json.loads(Path(tokenizer.path, "config.json").read_text())
 
     async def generate_tokens(  # type: ignore[override]
@@ -185,6 +189,14 @@ class CannedAsyncLLM(AsyncLLM):
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         index = int(request_id.rsplit("-", 1)[1])
+        if params.logprob_token_ids:
+            self.no_speech_calls.append(prompt_token_ids)
+            [token_id] = params.logprob_token_ids
+            logprob = math.log(self.no_speech_probs[index % len(self.no_speech_probs)])
+            sample = CompletionOutput(0, "", [220], -1.0, finish_reason="length")
+            sample.logprobs = [{token_id: Logprob(logprob)}]
+            yield RequestOutput(request_id, None, prompt_token_ids, [sample], True)
+            return
         self.calls.append(
             {"prompt": prompt_token_ids, "features": encoder_features, "params": params}
         )
@@ -198,7 +210,8 @@ class CannedAsyncLLM(AsyncLLM):
                 yield RequestOutput(request_id, None, prompt_token_ids, [sample], last)
             return
         ids = list(range(100, 100 + len(words)))
-        sample = CompletionOutput(0, text, ids, -0.5 * len(ids), finish_reason="stop")
+        cumulative = self.logprob_per_token * len(ids)
+        sample = CompletionOutput(0, text, ids, cumulative, finish_reason="stop")
         yield RequestOutput(request_id, None, prompt_token_ids, [sample], True)
 
 
@@ -327,6 +340,9 @@ def test_formats_shaped_from_engine_outputs(engine: CannedAsyncLLM) -> None:
     assert segments[1]["end"] == 45.0
     assert segments[0]["text"] == " Hello there."
     assert segments[0]["avg_logprob"] == pytest.approx(-0.5)
+    assert segments[0]["no_speech_prob"] == pytest.approx(0.1)
+    # The probability of no speech is read after <|startoftranscript|>.
+    assert engine.no_speech_calls[0] == [50257]
 
     srt = post(client, files=audio, data={"response_format": "srt"}).text
     assert srt.startswith("1\n00:00:00,000 --> 00:00:")
@@ -387,3 +403,21 @@ def test_openapi_describes_the_form(engine: CannedAsyncLLM) -> None:
         body = schema["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]
         assert body["schema"]["required"] == ["file"]
         assert body["schema"]["properties"]["file"]["format"] == "binary"
+
+
+def test_no_speech_rule_drops_a_doubtful_window(engine: CannedAsyncLLM) -> None:
+    # Whisper's rule: no-speech probability over 0.6 and mean logprob under -1.
+    engine.no_speech_probs = [0.1, 0.9]
+    engine.logprob_per_token = -1.5
+    client = client_for(engine)
+    audio = {"file": ("a.wav", wav_bytes(45.0), "audio/wav")}
+    verbose = post(client, files=audio, data={"response_format": "verbose_json"}).json()
+    assert verbose["text"] == "Hello there."
+    first, second = verbose["segments"]
+    assert first["text"] == " Hello there." and first["tokens"]
+    assert second["text"] == "" and second["tokens"] == []
+    assert second["no_speech_prob"] == pytest.approx(0.9)
+    assert post(client, files=audio, data={"response_format": "srt"}).text.count("-->") == 1
+    # A confident text stays, whatever the no-speech probability.
+    engine.logprob_per_token = -0.5
+    assert post(client, files=audio).json()["text"] == "Hello there. And more."
