@@ -5,15 +5,18 @@
 
 A request's life:
 
-1. The multipart form is read and checked (`parse_audio_form`): `file` must
+1. The multipart form is read and checked (`audio_form.py`): `file` must
    be an uploaded file (a text field is a 400), at most
    --max-audio-file-bytes (413).
 2. The file is decoded to 16 kHz mono, cut into windows of at most 30 s at
    quiet points, and each window's log-mel features computed
    (frontend/audio.py), off the event loop.
 3. Each window is one engine request: its features as `encoder_features`, the
-   decoder prompt from `WhisperTokens`. The windows run in parallel and
-   their texts are joined in order.
+   decoder prompt from `WhisperTokens`. Unless streamed, each window also
+   gets a one-token request that reads Whisper's probability of no speech;
+   a window likely silent whose text the model doubts gives no text
+   (Whisper's rule). The windows run in parallel and their texts are
+   joined in order.
 4. The answer in the asked format: json, text (text/plain), verbose_json,
    srt or vtt, or an SSE stream of `transcription.chunk` (`translation.chunk`)
    objects. Usage is in seconds of audio.
