@@ -344,6 +344,7 @@ function applyTheme(theme) {
 
 function start() {
   const dark = window.matchMedia?.("(prefers-color-scheme: dark)").matches;
+  if (window.matchMedia?.("(max-width: 700px)").matches) $("settings").open = false; // room for the chat
   applyTheme(settings.theme || (dark ? "dark" : "light"));
   for (const [id, name] of Object.entries(FIELDS)) if (settings[name] !== undefined) $(id).value = settings[name];
   $("api-key").value = apiKey();

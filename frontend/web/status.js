@@ -23,8 +23,16 @@ export function parseMetrics(text) {
 }
 
 function draw(canvas) {
+  // Drawn at the screen's resolution, in CSS pixels.
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth;
+  const height = canvas.clientHeight;
+  if (canvas.width !== Math.round(width * ratio)) {
+    canvas.width = Math.round(width * ratio);
+    canvas.height = Math.round(height * ratio);
+  }
   const ctx = canvas.getContext("2d");
-  const { width, height } = canvas;
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
   const style = getComputedStyle(document.documentElement);
   ctx.clearRect(0, 0, width, height);
   ctx.strokeStyle = style.getPropertyValue("--border");
