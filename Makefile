@@ -31,15 +31,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# Headless Chromium for the web UI's browser tests (tests/frontend/test_web_ui.py),
-# from Debian when missing and apt-get can install it; never fails the build:
-# without the browser those tests skip and say why.
+# Test tools from Debian when missing and apt-get can install them: headless
+# Chromium for the web UI's browser tests (tests/frontend/test_web_ui.py) and
+# espeak-ng, which speaks the speech-to-text tests' clips. Never fails the
+# build: without them those tests skip and say why.
 browser:
-	@if [ ! -x /usr/bin/chromedriver ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing chromium and chromium-driver for the browser tests"; \
+	@if { [ ! -x /usr/bin/chromedriver ] || ! command -v espeak-ng >/dev/null 2>&1; } \
+		&& command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium, chromium-driver and espeak-ng for the tests"; \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-			chromium chromium-driver) >/dev/null 2>&1 \
-			|| echo "could not install chromium: the browser tests will skip"; \
+			chromium chromium-driver espeak-ng) >/dev/null 2>&1 \
+			|| echo "could not install them: the browser and speech tests will skip"; \
 	fi
 
 pytest: $(STAMP) browser
