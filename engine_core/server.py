@@ -113,6 +113,7 @@ class EngineCoreServer:
                 self._drop_silent_clients()
                 if not self.engine.has_work():
                     self.engine.executor.check_health()
+                    self.engine.release_kv_holds()
                     continue
                 self._send_deltas(self.engine.step())
         except ExecutorError as e:

@@ -8,6 +8,8 @@ nothing else; no pickle anywhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from pagoda.protocol.pooling_params import PoolingParams
@@ -59,6 +61,10 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     # A transcription request (Whisper): little-endian float32 log-mel features
     # [n_mels, 3000] (one 30 s window); prompt_token_ids are the decoder prompt.
     encoder_features: bytes | None = None
+    # A KV connector's parameters (vLLM's kv_transfer_params): `do_remote_decode`
+    # keeps the prompt's KV for a decode engine to pull; `do_remote_prefill`
+    # with the producer's `remote_*` fields pulls it instead of computing it.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -153,6 +159,10 @@ class RequestDelta(msgspec.Struct, omit_defaults=True, array_like=True):
     timings: RequestTimings | None = None  # on the last delta of a finished request
     # On the last delta: (weight version, first, end) over the output tokens.
     weight_versions: list[tuple[int | str, int, int]] | None = None
+    # On the last delta, with a KV connector: what the next engine needs to
+    # pull this request's KV (a producer), or how its KV came (a consumer:
+    # "kv_transfer" is "transferred" or "recomputed").
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -165,6 +175,16 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     is_sleeping: bool = False
+    # Prompt positions run through the model (prefix-cache and transferred
+    # tokens are not), and the KV connector's counters (core/kv_connector.py).
+    prompt_tokens_computed: int = 0
+    kv_transfers: int = 0  # requests whose KV was pulled from a producer
+    kv_transfer_tokens: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_recomputed: int = 0  # remote-prefill requests computed here instead
+    kv_served: int = 0  # requests whose KV a consumer pulled from here
+    kv_expired: int = 0  # held KV freed unread after the timeout
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

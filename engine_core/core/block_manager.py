@@ -151,9 +151,32 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; cached ones stay findable until reused."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.req_block_hashes.pop(request.request_id, None)
-        self.req_num_cached_blocks.pop(request.request_id, None)
+        self.release(request.request_id)
+
+    def hold(self, request_id: str, key: str) -> None:
+        """Keep a finished request's blocks under `key` (for a KV consumer to
+        read) until `release(key)`; they count as used meanwhile."""
+        self.req_blocks[key] = self.req_blocks.pop(request_id, [])
+        self.req_block_hashes.pop(request_id, None)
+        self.req_num_cached_blocks.pop(request_id, None)
+
+    def uncache(self, request_id: str, first_block: int) -> None:
+        """Take the request's blocks from `first_block` on out of the prefix
+        cache (their content never arrived: a failed KV pull)."""
+        for block_id in self.req_blocks.get(request_id, [])[first_block:]:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached_blocks.get(block.block_hash) == block_id:
+                    del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+        self.req_block_hashes.pop(request_id, None)
+        self.req_num_cached_blocks.pop(request_id, None)
+
+    def release(self, key: str) -> None:
+        """Release the blocks a request (or a hold) has."""
+        blocks = self.req_blocks.pop(key, [])
+        self.req_block_hashes.pop(key, None)
+        self.req_num_cached_blocks.pop(key, None)
         # Tail blocks first, so that the shared prefix is evicted last.
         for block_id in reversed(blocks):
             block = self.blocks[block_id]

@@ -15,8 +15,16 @@ from concurrent.futures import wait
 from dataclasses import dataclass, replace
 
 from pagoda.engine_core.config import EngineConfig, default_max_num_batched_tokens
-from pagoda.engine_core.core.block_manager import BlockManager
+from pagoda.engine_core.core.block_manager import BlockManager, cdiv
 from pagoda.engine_core.core.engine_utilities import EngineUtilities
+from pagoda.engine_core.core.kv_connector import (
+    KVTransferError,
+    PeerConnector,
+    advertised_host,
+    parse_kv_transfer_config,
+    prompt_digest,
+    remote_prefill_params,
+)
 from pagoda.engine_core.core.kv_offload import HostTier, offloading_bytes
 from pagoda.engine_core.core.lora_manager import LoRAManager, WorkerLoRA
 from pagoda.engine_core.core.plan import GrammarBitmask, SchedulePlan, StepResult
@@ -103,6 +111,8 @@ class EngineCore(EngineUtilities, TrainingControls):
             sends_token_ids=config.pipeline_parallel_size > 1,
             pipeline_depth=config.pipeline_parallel_size,
         )
+        self.peer = self._start_peer()
+        self.scheduler.connector = self.peer
         # Plans submitted to the executor whose results are not back yet (more
         # than one only with pipeline stages to keep busy).
         self._in_flight: deque[SchedulePlan] = deque()
@@ -228,6 +238,7 @@ class EngineCore(EngineUtilities, TrainingControls):
             lora_id=lora_id,
             cache_salt=msg.cache_salt,
             encoder_features=msg.encoder_features,
+            kv_transfer_params=msg.kv_transfer_params,
         )
         constraint = msg.sampling_params.structured_outputs
         if constraint is not None and msg.pooling_params is None:
@@ -293,6 +304,40 @@ class EngineCore(EngineUtilities, TrainingControls):
                 msg.sampling_params.validate(vocab)
         except ValueError as e:
             return str(e)
+        return self._validate_kv_transfer(msg)
+
+    def _validate_kv_transfer(self, msg: AddRequest) -> str | None:
+        """kv_transfer_params must suit this engine's connector and role."""
+        params = msg.kv_transfer_params
+        if not params or not (params.get("do_remote_decode") or params.get("do_remote_prefill")):
+            return None  # nothing asked of a connector
+        peer = self.peer
+        if msg.pooling_params is not None or msg.encoder_features is not None:
+            return "kv_transfer_params apply to generation requests only"
+        if params.get("do_remote_decode"):
+            if peer is None or not peer.config.is_producer:
+                return (
+                    "kv_transfer_params.do_remote_decode needs an engine started with "
+                    '--kv-transfer-config {"kv_connector": "PeerConnector", "kv_role": '
+                    '"kv_producer"} (or "kv_both")'
+                )
+            return None
+        if peer is None or not peer.config.is_consumer:
+            return (
+                "kv_transfer_params.do_remote_prefill needs an engine started with "
+                '--kv-transfer-config {"kv_connector": "PeerConnector", "kv_role": '
+                '"kv_consumer"} (or "kv_both")'
+            )
+        try:
+            remote_prefill_params(params)
+        except ValueError as e:
+            return str(e)
+        tp_size = params.get("tp_size", peer.world_size)
+        if tp_size != peer.world_size:
+            return (
+                f"the producer runs {tp_size} ranks and this engine {peer.world_size}: "
+                "KV moves rank to rank, so their tensor x pipeline sizes must match"
+            )
         return None
 
     def _validate_features(self, features: bytes) -> str | None:
@@ -334,6 +379,132 @@ class EngineCore(EngineUtilities, TrainingControls):
         logger.info("host KV tier: %d blocks (%.0f MiB)", slots, slots * per_block / 2**20)
         return HostTier(slots)
 
+    def _start_peer(self) -> PeerConnector | None:
+        """The PeerConnector of --kv-transfer-config (None: another or none)."""
+        config = parse_kv_transfer_config(self.config.kv_transfer_config)
+        if config is None or config.kv_connector != "PeerConnector":
+            return None
+        if self.model_config.is_encoder or self.model_config.whisper is not None:
+            raise ValueError("the PeerConnector moves decoder KV: a generation model only")
+        world = self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+        endpoints: list[str] = []
+        if config.is_producer:
+            endpoints = self.executor.collective_rpc(
+                "start_kv_server",
+                (
+                    config.kv_ip,
+                    config.kv_port + 1 if config.kv_port else 0,
+                    advertised_host(config),
+                    config.extra.get("curve_keys"),
+                ),
+            )
+        peer = PeerConnector(config, self.engine_id, self.config.block_size, world, endpoints)
+        logger.info(
+            "KV connector PeerConnector, %s%s",
+            config.kv_role,
+            f", side channel {peer.advertise_host}:{peer.side_port}" if config.is_producer else "",
+        )
+        return peer
+
+    def release_kv_holds(self) -> None:
+        """Free the blocks held for consumers that are done with them (or that
+        timed out); the server also calls this while idle."""
+        if self.peer is not None:
+            for key in self.peer.take_released():
+                self.scheduler.block_manager.release(key)
+
+    def _kv_transfers(self) -> None:
+        """Release holds; pull the KV of remote-prefill requests about to be scheduled."""
+        self.release_kv_holds()
+        scheduler = self.scheduler
+        pending = [r for r in scheduler.waiting if r.kv_pull_pending and r.is_ready and not r.held]
+        if not pending:
+            return
+        # Pull only what the next steps can run: pulled requests hold blocks.
+        held = scheduler.block_manager.req_blocks
+        pulled = sum(1 for r in scheduler.waiting if r.request_id in held)
+        room = self.config.max_num_seqs - len(scheduler.running) - pulled
+        for request in pending[: max(room, 0)]:
+            if not self._pull_kv(request):
+                break  # no free blocks now
+
+    def _pull_kv(self, request: Request) -> bool:
+        """Bring a remote-prefill request's KV from its producer; on failure it is
+        computed here (visibly). False when the blocks cannot be had yet."""
+        peer = self.peer
+        assert peer is not None
+        params = request.kv_transfer_params
+        assert params is not None
+        manager = self.scheduler.block_manager
+        started = time.monotonic()
+        if request.sampling_params.prompt_logprobs is not None:
+            self._recompute(request, "prompt logprobs need every prompt position computed here")
+            return True
+        computed, num_hit = manager.get_computed_blocks(request)
+        n = request.num_prompt_tokens
+        if not manager.allocate_slots(request, n - num_hit, computed):
+            return False
+        request.kv_pull_pending = False
+        bs = self.config.block_size
+        first, last = num_hit // bs, cdiv(n - 1, bs)
+        moved = 0
+        try:
+            ask = {"remote_request_id": params["remote_request_id"]}
+            digest = prompt_digest(request.prompt_token_ids)
+            reply = peer.call(params, {**ask, "op": "take", "digest": digest, "block_size": bs})
+            remote, endpoints = reply["block_ids"], reply["endpoints"]
+            if len(endpoints) != peer.world_size:
+                raise KVTransferError(
+                    f"the producer runs {len(endpoints)} ranks and this engine {peer.world_size}"
+                )
+            if len(remote) < last:
+                raise KVTransferError("the producer holds fewer blocks than the prompt needs")
+            if first < last:
+                local = manager.get_block_ids(request.request_id)[first:last]
+                moved = sum(
+                    self.executor.collective_rpc(
+                        "pull_kv",
+                        (endpoints, remote[first:last], local, peer.pull_timeout_s, peer.curve_dir),
+                    )
+                )
+            try:
+                peer.call(params, {**ask, "op": "done"})
+            except KVTransferError:
+                pass  # the producer frees its blocks at its timeout
+        except (KVTransferError, RuntimeError, ValueError, TimeoutError) as e:
+            manager.uncache(request.request_id, first)
+            manager.free(request)
+            self._recompute(request, str(e))
+            return True
+        seconds = time.monotonic() - started
+        num_pulled = max(n - 1 - num_hit, 0)
+        request.num_computed_tokens = n - 1
+        request.num_cached_tokens = num_hit
+        stats = peer.stats
+        stats.transfers += 1
+        stats.transfer_tokens += num_pulled
+        stats.transfer_bytes += moved
+        stats.transfer_seconds += seconds
+        request.kv_transfer_out = {
+            "kv_transfer": "transferred",
+            "transferred_tokens": num_pulled,
+            "cached_tokens": num_hit,
+            "transfer_bytes": moved,
+            "transfer_ms": round(seconds * 1000, 3),
+            "remote_engine_id": params.get("remote_engine_id"),
+        }
+        return True
+
+    def _recompute(self, request: Request, reason: str) -> None:
+        """A remote-prefill request computed here after all; its answer says why."""
+        peer = self.peer
+        assert peer is not None
+        request.kv_pull_pending = False
+        request.num_computed_tokens = 0
+        peer.stats.recomputed += 1
+        request.kv_transfer_out = {"kv_transfer": "recomputed", "reason": reason}
+        logger.warning("request %s: KV computed here, not pulled: %s", request.request_id, reason)
+
     def has_work(self) -> bool:
         paused = self._has_paused_work()
         if paused is not None:
@@ -350,6 +521,8 @@ class EngineCore(EngineUtilities, TrainingControls):
         oldest one's result is taken: one update per call either way.
         """
         failed = self._paused_outputs() + self._reap_grammars() + self._expire_queued()
+        if self.peer is not None:
+            self._kv_transfers()
         while len(self._in_flight) < self.scheduler.pipeline_depth:
             plan = self.scheduler.schedule()
             if plan.is_empty and not plan.finished_request_ids:
@@ -446,6 +619,8 @@ class EngineCore(EngineUtilities, TrainingControls):
         """Stop the grammar compile processes and the workers."""
         self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.peer is not None:
+            self.peer.close()
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()

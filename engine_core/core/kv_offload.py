@@ -17,9 +17,9 @@ slot about to be loaded in the current plan is never chosen to save into.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
-from typing import Any
+
+from pagoda.engine_core.core.kv_connector import parse_kv_transfer_config
 
 
 class HostTier:
@@ -83,24 +83,15 @@ class HostTier:
 
 
 def offloading_bytes(kv_transfer_config: str | None) -> int | None:
-    """The host tier's size from --kv-transfer-config (None: no connector).
+    """The host tier's size from --kv-transfer-config (None: no OffloadingConnector).
 
-    Only the OffloadingConnector is available; a config naming another
-    connector, or one that is not JSON, is a clear error at start.
+    A config that is not valid (core/kv_connector.py), or an
+    OffloadingConnector without a positive `cpu_bytes`, is a clear error at start.
     """
-    if kv_transfer_config is None:
+    config = parse_kv_transfer_config(kv_transfer_config)
+    if config is None or config.kv_connector != "OffloadingConnector":
         return None
-    try:
-        config: Any = json.loads(kv_transfer_config)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError("--kv-transfer-config must be a JSON object")
-    connector = config.get("kv_connector")
-    if connector != "OffloadingConnector":
-        raise ValueError(f"KV connector {connector!r} is not available; the OffloadingConnector is")
-    extra = config.get("kv_connector_extra_config") or {}
-    cpu_bytes = extra.get("cpu_bytes") if isinstance(extra, dict) else None
+    cpu_bytes = config.extra.get("cpu_bytes")
     if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes <= 0:
         raise ValueError(
             "the OffloadingConnector needs kv_connector_extra_config.cpu_bytes, a positive integer"

@@ -41,8 +41,16 @@ class Request:
         lora_id: int = 0,
         cache_salt: str | None = None,
         encoder_features: bytes | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
+        # A KV connector's parameters in (core/kv_connector.py), and out on
+        # the last delta; `kv_pull_pending`: its KV is still to be pulled.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_out: dict[str, Any] | None = None
+        self.kv_pull_pending = bool(
+            kv_transfer_params and kv_transfer_params.get("do_remote_prefill")
+        )
         # A transcription request's log-mel features, sent again after preemption.
         self.encoder_features = encoder_features
         self.cache_salt = cache_salt

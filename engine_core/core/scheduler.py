@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagoda.engine_core.core.block_manager import BlockManager
+from pagoda.engine_core.core.kv_connector import PeerConnector
 from pagoda.engine_core.core.lora_slots import LoRASlots
 from pagoda.engine_core.core.plan import CachedRequestData, NewRequestData, SchedulePlan, StepResult
 from pagoda.engine_core.core.request import Request, RequestStatus
@@ -69,6 +70,11 @@ class Scheduler:
         self.frozen = False
         self._finished_since_last_plan: list[str] = []
         self.num_preemptions = 0
+        # Prompt positions run through the model (not found cached or pulled).
+        self.num_prompt_tokens_computed = 0
+        # KV transfers between engines (core/kv_connector.py): a producer holds
+        # finished requests' blocks for consumers; the engine sets this.
+        self.connector: PeerConnector | None = None
 
     # ----------------------------------------------------------------- intake
 
@@ -164,6 +170,7 @@ class Scheduler:
                     for r in self.waiting
                     if r.is_ready
                     and not r.held
+                    and not r.kv_pull_pending
                     and self._lora_fits(r)
                     and r.request_id not in in_flight
                 ),
@@ -172,9 +179,13 @@ class Scheduler:
             if ready is None:
                 break  # the rest wait for their grammars to compile
             request = ready
-            computed: list[int] = []
+            computed: list[int] | None = []
             num_hit = 0
-            if request.is_pooling:
+            if request.request_id in self.block_manager.req_blocks:
+                # Its KV was pulled from a producer: it holds blocks for the whole
+                # prompt and computes the last prompt token (core/kv_connector.py).
+                computed, num_hit = None, request.num_computed_tokens
+            elif request.is_pooling:
                 if request.num_tokens > budget:
                     break  # whole or not at all; the next step has a fresh budget
             elif request.sampling_params.prompt_logprobs is None:
@@ -253,6 +264,9 @@ class Scheduler:
                 continue  # aborted while in flight, and its id taken again
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            self.num_prompt_tokens_computed += max(
+                min(num_tokens, request.num_prompt_tokens - request.num_computed_tokens), 0
+            )
             request.num_computed_tokens += num_tokens
             chunk = result.prompt_logprobs.get(request_id)
             if chunk is not None:
@@ -300,18 +314,30 @@ class Scheduler:
                 delta.timings = request.timings()
                 self.running.remove(request)
                 self._free(request)
+                delta.kv_transfer_params = request.kv_transfer_out
             deltas.append((request, delta))
         return deltas
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.block_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.block_manager.num_prefix_queries,
             prefix_cache_hits=self.block_manager.num_prefix_hits,
+            prompt_tokens_computed=self.num_prompt_tokens_computed,
         )
+        if self.connector is not None:
+            peer = self.connector.stats
+            stats.kv_transfers = peer.transfers
+            stats.kv_transfer_tokens = peer.transfer_tokens
+            stats.kv_transfer_bytes = peer.transfer_bytes
+            stats.kv_transfer_seconds = peer.transfer_seconds
+            stats.kv_recomputed = peer.recomputed
+            stats.kv_served = peer.served
+            stats.kv_expired = peer.expired
+        return stats
 
     # -------------------------------------------------------------- internals
 
@@ -339,7 +365,22 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self._release_lora(request)
         request.status = RequestStatus.FINISHED
-        self.block_manager.free(request)
+        params = request.kv_transfer_params
+        if (
+            self.connector is not None
+            and params
+            and params.get("do_remote_decode")
+            and request.finish_reason in ("stop", "length")
+        ):
+            # A prefill for another engine: the prompt's blocks stay until the
+            # consumer has pulled them (or the connector's timeout).
+            blocks = self.block_manager.get_block_ids(request.request_id)
+            key, request.kv_transfer_out = self.connector.request_finished(
+                request.request_id, request.prompt_token_ids, blocks
+            )
+            self.block_manager.hold(request.request_id, key)
+        else:
+            self.block_manager.free(request)
         self._forget_in_runner(request.request_id)
         del self.requests[request.request_id]
 

@@ -20,6 +20,7 @@ from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.encoder_runner import EncoderRunner
+from pagoda.engine_core.worker.kv_peer import KVPuller, KVServer
 from pagoda.engine_core.worker.model_runner import ModelRunner, resolve_device
 from pagoda.engine_core.worker.parallel import (
     TensorParallel,
@@ -91,6 +92,10 @@ class Worker:
                 self.stage,
             )
         self._profiler: torch.profiler.profile | None = None
+        # The PeerConnector (worker/kv_peer.py): this rank's block server (a
+        # producer) and its pulls from producers' ranks (a consumer).
+        self._kv_server: KVServer | None = None
+        self._kv_puller: KVPuller | None = None
 
     # ----------------------------------------------------------------- step
 
@@ -181,6 +186,39 @@ class Worker:
         """The host-memory tier's blocks (--kv-transfer-config OffloadingConnector)."""
         self._decoder("the host KV tier").allocate_host_kv(num_slots)
 
+    def start_kv_server(
+        self, host: str, port: int, advertise_host: str, curve_dir: str | None
+    ) -> str:
+        """Serve this rank's KV blocks to consumers (port 0: any free port, else
+        `port + rank`); returns the endpoint they connect to."""
+        self._decoder("KV transfers")
+        if self._kv_server is None:
+            self._kv_server = KVServer(
+                lambda: self._decoder("KV transfers").kv_caches,
+                host,
+                port + self.rank if port else 0,
+                advertise_host,
+                curve_dir,
+            )
+        return self._kv_server.endpoint
+
+    def pull_kv(
+        self,
+        endpoints: list[str],
+        remote_ids: list[int],
+        local_ids: list[int],
+        timeout_s: float,
+        curve_dir: str | None,
+    ) -> int:
+        """Copy a producer's blocks (from the same rank of it) into local blocks;
+        returns the bytes moved."""
+        runner = self._decoder("KV transfers")
+        if self._kv_puller is None:
+            self._kv_puller = KVPuller(curve_dir)
+        return self._kv_puller.pull(
+            runner.kv_caches, endpoints[self.rank], remote_ids, local_ids, timeout_s
+        )
+
     def start_profile(self) -> None:
         """Start a torch.profiler trace of this rank's steps."""
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -202,6 +240,10 @@ class Worker:
 
     def shutdown(self) -> None:
         self._profiler = None
+        if self._kv_server is not None:
+            self._kv_server.close()
+        if self._kv_puller is not None:
+            self._kv_puller.close()
         if self.tp.shm is not None:
             self.tp.shm.close()
 

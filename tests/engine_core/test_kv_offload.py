@@ -36,9 +36,11 @@ def test_the_config_is_checked() -> None:
     config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes": 9}}
     assert offloading_bytes(json.dumps(config)) == 9
     assert offloading_bytes(None) is None
+    assert offloading_bytes('{"kv_connector": "PeerConnector"}') is None
     for bad, why in [
         ("{", "not JSON"),
-        ('{"kv_connector": "PeerConnector"}', "not available"),
+        ('{"kv_connector": "NixlConnector"}', "not available"),
+        ('{"kv_connector": "OffloadingConnector", "kv_role": "both"}', "kv_role"),
         ('{"kv_connector": "OffloadingConnector"}', "cpu_bytes"),
     ]:
         with pytest.raises(ValueError, match=why):
