@@ -543,3 +543,26 @@ def linear_bf16_pairs(
     layout."""
     ops = _required_ops()
     return _run(ops, "linear_bf16_pairs", x, packed, outs, bias, float_out, glu)
+
+
+def has_int8_vnni() -> bool:
+    """Whether int8 linears can run on the AVX512-VNNI kernel here."""
+    ops = load_cpu_ops()
+    return ops is not None and bool(ops.has_int8_vnni())
+
+
+def linear_int8(
+    x: torch.Tensor,  # [rows, in] bfloat16 or float32
+    packed: torch.Tensor,  # [tiles, in4 / 4, 48, 4] int8 (kernels/linear_int8.pack_int8)
+    wsum: torch.Tensor,  # [tiles * 48] int32
+    wscale: torch.Tensor,  # [tiles * 48] float32
+    outs: int,
+    bias: torch.Tensor | None = None,  # [out]
+    int32_out: bool = False,
+) -> torch.Tensor:
+    """Launcher: x W^T (+ b) in dynamic W8A8 (each row of x quantized to int8 on
+    the fly, int32 sums, scaled per row and per channel) in x's dtype; with
+    int32_out the exact int32 sums. The compiled op checks shapes, dtypes and
+    layout."""
+    ops = _required_ops()
+    return _run(ops, "linear_int8", x, packed, wsum, wscale, outs, bias, int32_out)

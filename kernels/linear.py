@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import cpu_ops
+from pagoda.kernels.linear_int8 import Int8Weight
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -199,11 +200,23 @@ class Linear:
         small_rows: bool = False,
         blocks: BlockWeight | None = None,
         glu: bool = False,
+        int8: Int8Weight | None = None,
     ) -> None:
         """glu: weight is a gated MLP's gate|up projection (gate rows, then up
-        rows); on the pairs kernel it is then packed for silu_and_mul()."""
+        rows); on the pairs kernel it is then packed for silu_and_mul().
+        int8: the weights quantized (`--quantization int8`, kernels/
+        linear_int8.py); the Linear then runs on them alone at every row
+        count and keeps no float copy."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.int8 = int8
+        if int8 is not None:
+            self.int4 = self.blocks = self.pairs = self.plain = None
+            self.packed = self.glu = False
+            self.small_rows_max = 0
+            self.blocks_max_rows = 0
+            self.weight = int8.packed
+            return
         # The same weights in 4 bits, for small batches (--quantization gguf).
         self.int4 = int4
         # The same weights as the GGUF file's blocks, exactly, for up to
@@ -249,6 +262,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] → [num_tokens, out]
+        if self.int8 is not None:
+            return self.int8.matmul(x, self.bias)
         int4 = self.int4
         if int4 is not None and x.shape[0] <= INT4_MAX_ROWS and x.dtype == int4.scales_zeros.dtype:
             out = int4_matmul(x, int4)

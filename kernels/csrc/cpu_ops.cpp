@@ -1,6 +1,7 @@
 // Pagoda's compiled CPU kernels, one translation unit: paged attention
 // (attention.h), fused elementwise ops (elementwise.h), linear layers over
 // a few rows (linear.h), bfloat16 linears on AVX512-BF16 (linear_bf16.h),
+// dynamic int8 linears on AVX512-VNNI (linear_int8.h),
 // the logits helpers (logits.h) and the sampler (sampling.h). Built once per
 // machine by kernels/cpu_ops.py.
 #include <torch/extension.h>
@@ -9,6 +10,7 @@
 #include "elementwise.h"
 #include "linear.h"
 #include "linear_bf16.h"
+#include "linear_int8.h"
 #include "logits.h"
 #include "sampling.h"
 
@@ -73,5 +75,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether bfloat16 linears run on AVX512-BF16 over weights packed in pairs");
   m.def("linear_bf16_pairs", &linear_bf16_pairs,
         "x W^T (+ b) in bfloat16 over weights packed by pack_bf16_pairs (CPU)");
+  m.def("has_int8_vnni", &has_int8_vnni, "whether int8 linears run on AVX512-VNNI here");
+  m.def("linear_int8", &linear_int8,
+        "x W^T (+ b) in dynamic W8A8 over weights packed by pack_int8 (CPU, AVX512-VNNI)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k in place (CPU)");
 }
