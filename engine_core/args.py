@@ -39,9 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["gguf"],
+        choices=["gguf", "int8"],
         help="gguf: also keep a GGUF model's 4-bit weights and run steps of up to 6 tokens "
-        "on them (CPU, bfloat16)",
+        "on them (CPU, bfloat16); int8: dynamic W8A8 linears (int8 weights per channel, "
+        "activations per token; CPU with AVX512-VNNI), from any checkpoint or a "
+        "compressed-tensors int8 one",
     )
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-model-len", type=int, default=None)

@@ -18,7 +18,8 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # "gguf": besides the dense weights, keep a GGUF model's 4-bit linear
-    # weights and run steps of up to 6 tokens on them (CPU, bfloat16). None: dense only.
+    # weights and run steps of up to 6 tokens on them (CPU, bfloat16). "int8":
+    # the decoder's linears in dynamic W8A8 (kernels/linear_int8.py). None: dense only.
     quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None
@@ -103,8 +104,8 @@ class EngineConfig:
         return "uni" if self.world_size == 1 else "mp"
 
     def __post_init__(self) -> None:
-        if self.quantization not in (None, "gguf"):
-            raise ValueError(f"quantization must be gguf or unset, got {self.quantization!r}")
+        if self.quantization not in (None, "gguf", "int8"):
+            raise ValueError(f"quantization must be gguf, int8 or unset, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

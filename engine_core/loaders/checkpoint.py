@@ -21,6 +21,12 @@ def weight_pairs(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         from pagoda.engine_core.loaders.ctranslate2 import ctranslate2_weights
 
         return ctranslate2_weights(config.path)
+    from pagoda.engine_core.loaders.compressed_tensors import (
+        dequantized_weights,
+        quantization_config,
+    )
     from pagoda.engine_core.loaders.safetensors import safetensors_weights
 
+    if quantization_config(config.path) is not None:
+        return dequantized_weights(safetensors_weights(config.path))
     return safetensors_weights(config.path)

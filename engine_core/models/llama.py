@@ -27,6 +27,7 @@ from pagoda.engine_core.model_config import ModelConfig, ModelLoadError
 from pagoda.engine_core.models.moe import MoELayer
 from pagoda.engine_core.worker.parallel import PipelineStage, TensorParallel
 from pagoda.kernels.linear import BlockWeight, Int4Weight, Linear, pack_int4
+from pagoda.kernels.linear_int8 import Int8Weight, pack_int8, quantize_int8_per_channel
 
 if TYPE_CHECKING:
     from pagoda.engine_core.loaders.gguf import GgufBlocks
@@ -126,12 +127,18 @@ class LlamaModel:
         pairs: Iterable[tuple[str, torch.Tensor]],
         int4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None,
         gguf_blocks: dict[str, GgufBlocks] | None = None,
+        int8: bool = False,
+        int8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """Take the checkpoint's (Hugging Face name, tensor) pairs: fuse q|k|v and
         gate|up, cast, move to the device, pack for the linears' kernels.
 
         A GGUF model may also pass its 4-bit weights (`--quantization gguf`)
         and its quantized blocks, under the same names (loaders/gguf.py).
+        int8 (`--quantization int8`): the decoder layers' linears run on int8
+        weights (kernels/linear_int8.py), the checkpoint's own where it has
+        them (int8_weights: name -> (q [out, in] int8, scale [out]), from a
+        compressed-tensors checkpoint), else quantized here per channel.
         """
         config, dtype, device = self.config, self.dtype, self.device
         packs_linears = self.backend.packs_linears
@@ -143,6 +150,11 @@ class LlamaModel:
             # A shard of the dense weights; the quantized forms stay whole-model.
             weights = {name: self._shard(name, t) for name, t in weights.items()}
             int4_weights, gguf_blocks = {}, {}
+        # A checkpoint's int8 weights are whole-model: with tensor parallelism
+        # each rank quantizes its shard of the dense weights instead.
+        int8_given = (
+            {} if self.tp.size > 1 else _by_short_name((int8_weights or {}).items(), layers)
+        )
 
         def take(name: str) -> torch.Tensor:
             tensor = weights.pop(name, None)
@@ -225,8 +237,21 @@ class LlamaModel:
             q, scale, zero = (torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[index]
             return pack_int4(q, scale, zero, dtype)
 
+        def take_int8(weight: torch.Tensor, *names: str) -> Int8Weight | None:
+            """The named linears' int8 weights fused along the output: the
+            checkpoint's if it has them all, else `weight` quantized."""
+            parts = [int8_given.pop(name, None) for name in names]
+            if not int8:
+                return None
+            if all(p is not None for p in parts):
+                q = torch.cat([p[0] for p in parts])  # type: ignore[index]
+                scale = torch.cat([p[1].reshape(-1) for p in parts])  # type: ignore[index]
+                return pack_int8(q, scale.float())
+            return pack_int8(*quantize_int8_per_channel(weight))
+
         self.layers = [
-            self._load_layer(i, take, take_int4, take_blocks, small_rows) for i in stage.layers
+            self._load_layer(i, take, take_int4, take_blocks, take_int8, small_rows)
+            for i in stage.layers
         ]
 
     def _load_layer(
@@ -235,6 +260,7 @@ class LlamaModel:
         take: Callable[[str], torch.Tensor],
         take_int4: Callable[..., Int4Weight | None],
         take_blocks: Callable[..., BlockWeight | None],
+        take_int8: Callable[..., Int8Weight | None],
         small_rows: bool,
     ) -> DecoderLayer:
         cfg = self.config
@@ -258,6 +284,9 @@ class LlamaModel:
             weight: torch.Tensor, bias: torch.Tensor | None, *names: str, glu: bool = False
         ) -> Linear:
             full = [p + n for n in names]
+            int8 = take_int8(weight, *full)
+            if int8 is not None:
+                return Linear(weight, bias, int8=int8)
             return Linear(weight, bias, take_int4(*full), small_rows, take_blocks(*full), glu)
 
         moe = cfg.moe

@@ -21,8 +21,12 @@ from pagoda.engine_core.attention import PrefillChunk, StepBatch, select_backend
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import NewRequestData, SchedulePlan, StepResult
 from pagoda.engine_core.loaders.checkpoint import weight_pairs
+from pagoda.engine_core.loaders.compressed_tensors import load_int8_weights
+from pagoda.engine_core.loaders.compressed_tensors import (
+    quantization_config as compressed_int8_config,
+)
 from pagoda.engine_core.loaders.gguf import load_gguf_blocks, load_int4_weights
-from pagoda.engine_core.model_config import ModelConfig, default_pooler
+from pagoda.engine_core.model_config import ModelConfig, ModelLoadError, default_pooler
 from pagoda.engine_core.models import model_class
 from pagoda.engine_core.models.llama import LlamaModel
 from pagoda.engine_core.worker.lora import LoRAAdapter, LoRABatch, LoRAStacks
@@ -40,6 +44,7 @@ from pagoda.engine_core.worker.token_history import TokenHistory
 from pagoda.engine_core.worker.weight_transfer import WeightTransfer
 from pagoda.kernels.cpu_ops import cpu_has_native, load_cpu_ops
 from pagoda.kernels.linear import int4_available, pairs_available
+from pagoda.kernels.linear_int8 import int8_available
 from pagoda.kernels.lora import lora_groups
 from pagoda.protocol.pooling_params import PoolingParams
 from pagoda.protocol.sampling_params import SamplingParams
@@ -172,8 +177,24 @@ class ModelRunner(RunnerUtilities):
             # The file's quantized forms of replaced tensors are stale.
             int4 = {k: v for k, v in (int4 or {}).items() if k not in overrides} or None
             blocks = {k: v for k, v in (blocks or {}).items() if k not in overrides} or None
-        model.load_weights(self._weight_pairs(), int4, blocks)
+        int8, int8_weights = self._int8_weights()
+        model.load_weights(self._weight_pairs(), int4, blocks, int8, int8_weights)
         return model
+
+    def _int8_weights(self) -> tuple[bool, dict[str, tuple[torch.Tensor, torch.Tensor]] | None]:
+        """Whether the linears run in int8 (`--quantization int8`), and a
+        compressed-tensors checkpoint's own int8 weights where it has them."""
+        if self.config.quantization != "int8":
+            return False, None
+        if self.device.type != "cpu" or not int8_available():
+            raise ModelLoadError("--quantization int8 needs a CPU with AVX512-VNNI")
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            raise ModelLoadError("--quantization int8 runs with --dtype bfloat16 or float32")
+        path = self.model_config.path
+        if self.model_config.is_gguf or compressed_int8_config(path) is None:
+            return True, None
+        stored = load_int8_weights(path)
+        return True, {k: v for k, v in stored.items() if k not in self.weight_overrides}
 
     def _weight_pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's (name, tensor) pairs, replaced ones as sent; the
