@@ -210,13 +210,6 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.int8 = int8
-        if int8 is not None:
-            self.int4 = self.blocks = self.pairs = self.plain = None
-            self.packed = self.glu = False
-            self.small_rows_max = 0
-            self.blocks_max_rows = 0
-            self.weight = int8.packed
-            return
         # The same weights in 4 bits, for small batches (--quantization gguf).
         self.int4 = int4
         # The same weights as the GGUF file's blocks, exactly, for up to
@@ -237,7 +230,12 @@ class Linear:
         self.plain: torch.Tensor | None = None
         self.small_rows_max: int | None = 0
         kernel = self.packed and cpu_ops.load_cpu_ops() is not None
-        if kernel and not cpu_ops.cpu_has_native(weight.dtype):
+        if int8 is not None:
+            # The int8 weights alone, at every row count.
+            self.packed = False
+            self.weight = int8.packed
+            self.int4 = self.blocks = None
+        elif kernel and not cpu_ops.cpu_has_native(weight.dtype):
             # Half precision without hardware for it: oneDNN converts as it goes
             # and runs 4-5x slower than the kernel at every batch size (bfloat16
             # on 2 AVX2 cores, gate|up: 30.9 vs 8.1 ms at 128 rows, 959 vs 239 at

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -49,6 +50,23 @@ def int_mm_linear(x: torch.Tensor, q_t: torch.Tensor, scale: torch.Tensor) -> to
     return (sums.float() * s_x[:, None] * scale[None, :]).to(x.dtype)
 
 
+def run_bf16(linears: list[Linear], xs: dict[int, torch.Tensor]) -> None:
+    for lin in linears:
+        lin(xs[lin.in_features])
+
+
+def run_int8(weights: list[Int8Weight], xs: dict[int, torch.Tensor]) -> None:
+    for w in weights:
+        w.matmul(xs[w.packed.shape[1] * 4], None)
+
+
+def run_int_mm(
+    weights: list[tuple[torch.Tensor, torch.Tensor]], xs: dict[int, torch.Tensor]
+) -> None:
+    for q_t, scale in weights:
+        int_mm_linear(xs[q_t.shape[0]], q_t, scale)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=30)
@@ -70,11 +88,11 @@ def main() -> None:
     for rows in ROWS:
         xs = {inp: torch.randn(rows, inp).bfloat16() for inp in (576, 1536)}
         runs: dict[str, Callable[[], object]] = {
-            "bf16": lambda xs=xs: [lin(xs[lin.in_features]) for lin in bf16],
-            "int8": lambda xs=xs: [w.matmul(xs[w.packed.shape[1] * 4], None) for w in int8],
+            "bf16": partial(run_bf16, bf16, xs),
+            "int8": partial(run_int8, int8, xs),
         }
         if rows > 16:
-            runs["int_mm"] = lambda xs=xs: [int_mm_linear(xs[q.shape[0]], q, s) for q, s in int_mm]
+            runs["int_mm"] = partial(run_int_mm, int_mm, xs)
         best = {name: float("inf") for name in runs}
         for fn in runs.values():
             fn()  # warm up

@@ -168,7 +168,7 @@ def test_compressed_tensors_checkpoint(tiny_models: dict[str, Path], tmp_path: P
 
     # The linears run on the stored codes (at most 100), not on re-quantized ones.
     stored = load_int8_weights(str(path))
-    model = _engine(path, dtype="float32", quantization="int8").executor.worker.runner.model
+    model = _engine(path, dtype="float32", quantization="int8").executor.worker.runner.model  # type: ignore[attr-defined]
     layer = model.layers[1]
     q, s = stored["model.layers.1.mlp.down_proj.weight"]
     assert int(q.abs().max()) <= 100
