@@ -194,6 +194,7 @@ class AsyncLLM:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come; aborts the engine request if the caller stops."""
         processed = self.processor.process_prompt(prompt, add_special_tokens)
@@ -206,6 +207,7 @@ class AsyncLLM:
             priority,
             lora_request,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         ):
             yield out
 
@@ -221,6 +223,7 @@ class AsyncLLM:
         detokenize: bool = True,
         cache_salt: str | None = None,
         encoder_features: bytes | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate from token ids; `detokenize=False` (or no tokenizer): outputs
         carry token ids and no text, and stop strings are refused. With
@@ -245,6 +248,7 @@ class AsyncLLM:
             lora_request,
             cache_salt,
             encoder_features,
+            kv_transfer_params,
         )
         state = RequestState(request_id, prompt, prompt_token_ids, params, tokenizer, output_kind)
         queue: DeltaQueue = asyncio.Queue()

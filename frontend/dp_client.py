@@ -71,13 +71,13 @@ class DPClient:
     def stats(self) -> SchedulerStats:
         """The engines' stats summed (KV usage averaged)."""
         all_stats = [c.stats for c in self.clients]
+        summed = {
+            name: sum(getattr(s, name) for s in all_stats)
+            for name in SchedulerStats.__struct_fields__
+            if name not in ("kv_cache_usage", "is_sleeping")
+        }
         total = SchedulerStats(
-            num_running=sum(s.num_running for s in all_stats),
-            num_waiting=sum(s.num_waiting for s in all_stats),
-            kv_cache_usage=sum(s.kv_cache_usage for s in all_stats) / len(all_stats),
-            num_preemptions=sum(s.num_preemptions for s in all_stats),
-            prefix_cache_queries=sum(s.prefix_cache_queries for s in all_stats),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in all_stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in all_stats) / len(all_stats), **summed
         )
         # Sleep is commanded to all engines together.
         return msgspec.structs.replace(total, is_sleeping=all_stats[0].is_sleeping)

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.protocol.messages import RequestTimings
+from pagoda.protocol.messages import RequestTimings, SchedulerStats
 
 if TYPE_CHECKING:
     from pagoda.frontend.dp_client import DPClient
@@ -54,6 +54,44 @@ _LATENCY_BUCKETS = (
 )
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 _REAL_TIME_FACTOR_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def _kv_transfer_counters(stats: SchedulerStats) -> list[tuple[str, str, float]]:
+    """The PeerConnector's counters (--kv-transfer-config)."""
+    return [
+        (
+            "pagoda:kv_transfers",
+            "Requests whose KV was pulled from a prefill engine.",
+            stats.kv_transfers,
+        ),
+        (
+            "pagoda:kv_transfer_tokens",
+            "Prompt tokens whose KV was pulled.",
+            stats.kv_transfer_tokens,
+        ),
+        ("pagoda:kv_transfer_bytes", "Bytes of KV pulled.", stats.kv_transfer_bytes),
+        (
+            "pagoda:kv_transfer_seconds",
+            "Time spent taking and pulling KV.",
+            stats.kv_transfer_seconds,
+        ),
+        (
+            "pagoda:kv_recomputed",
+            "Remote-prefill requests whose prompt was computed here "
+            "after all (producer gone or slow, KV expired, another prompt).",
+            stats.kv_recomputed,
+        ),
+        (
+            "pagoda:kv_served",
+            "Requests whose KV a decode engine pulled from here.",
+            stats.kv_served,
+        ),
+        (
+            "pagoda:kv_expired",
+            "Held KV freed unread after the connector's timeout.",
+            stats.kv_expired,
+        ),
+    ]
 
 
 class EngineStatsCollector(Collector):
@@ -95,6 +133,12 @@ class EngineStatsCollector(Collector):
                 "Prompt tokens found in the prefix cache.",
                 stats.prefix_cache_hits,
             ),
+            (
+                "pagoda:prompt_tokens_computed",
+                "Prompt tokens run through the model (not found cached, not transferred).",
+                stats.prompt_tokens_computed,
+            ),
+            *_kv_transfer_counters(stats),
         ):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric(values, value)

@@ -54,6 +54,7 @@ class SampleState:
     stop_reason: int | str | None = None
     finish_sent: bool = False
     weight_versions: list[dict[str, Any]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class RequestState:
@@ -139,6 +140,7 @@ class RequestState:
         if delta.finish_reason is not None:
             sample.finish_reason = "stop" if delta.finish_reason == "stop" else delta.finish_reason
             sample.stop_reason = delta.stop_reason
+            sample.kv_transfer_params = delta.kv_transfer_params
             if delta.weight_versions:
                 sample.weight_versions = [
                     {"version": v, "start": start, "end": end}
@@ -234,6 +236,7 @@ class RequestState:
                         sample.finish_reason,
                         sample.stop_reason,
                         sample.weight_versions if sample.finish_reason else None,
+                        sample.kv_transfer_params if sample.finish_reason else None,
                     )
                 )
             else:
@@ -248,6 +251,7 @@ class RequestState:
                         sample.finish_reason,
                         sample.stop_reason,
                         sample.weight_versions if sample.finish_reason else None,
+                        sample.kv_transfer_params if sample.finish_reason else None,
                     )
                 )
         if not any_new:

@@ -40,6 +40,9 @@ class CompletionOutput:
     # On a finished sample: which weights made which output tokens,
     # [{"version", "start", "end"}] (end exclusive), after weight updates.
     weight_versions: list[dict[str, Any]] | None = None
+    # On a finished sample, with a KV connector: what a decode engine needs to
+    # pull its KV (a prefill with do_remote_decode), or how its KV came.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

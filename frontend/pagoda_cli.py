@@ -189,7 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_args(sub.add_parser("bench", help="benchmark a server, or the engine offline"))
     keys = sub.add_parser("curve-keys", help="make CURVE keys for a tcp engine core")
     keys.add_argument("directory")
+    from pagoda.frontend.proxy import add_proxy_args
+
+    add_proxy_args(
+        sub.add_parser("proxy", help="one endpoint over prefill and decode instances (KV transfer)")
+    )
     ns = parser.parse_args(argv)
+    if ns.command == "proxy":
+        from pagoda.frontend.proxy import run_proxy
+
+        return run_proxy(ns)
     if ns.command == "curve-keys":
         from pagoda.protocol.curve import generate_keys
 

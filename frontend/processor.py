@@ -166,6 +166,7 @@ class Processor:
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
         encoder_features: bytes | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> tuple[SamplingParams, list[AddRequest]]:
         """Validate and fan out; returns the effective params and the engine requests.
         With `encoder_features` it is a transcription request (a Whisper model)."""
@@ -194,6 +195,11 @@ class Processor:
                 f"({num_prompt} in the messages, {params.max_tokens} in the completion). "
                 f"Please reduce the length of the messages or completion.",
             )
+        kv = kv_transfer_params or {}
+        if params.n > 1 and (kv.get("do_remote_decode") or kv.get("do_remote_prefill")):
+            raise SamplingParamsError(
+                "kv_transfer_params", "a KV transfer moves one sequence's KV: n must be 1"
+            )
         now = time.time()
         requests = [
             AddRequest(
@@ -205,6 +211,7 @@ class Processor:
                 lora_request=lora_request,
                 cache_salt=cache_salt,
                 encoder_features=encoder_features,
+                kv_transfer_params=kv_transfer_params,
             )
             for i in range(params.n)
         ]

@@ -170,6 +170,8 @@ def accumulate(target: CompletionOutput, delta: CompletionOutput) -> None:
     target.stop_reason = delta.stop_reason
     if delta.weight_versions is not None:
         target.weight_versions = delta.weight_versions
+    if delta.kv_transfer_params is not None:
+        target.kv_transfer_params = delta.kv_transfer_params
 
 
 # json.dumps(..., ensure_ascii=False) builds a new encoder per call; streamed
@@ -245,6 +247,28 @@ def with_weight_versions(output: Any) -> dict[str, Any]:
     matter (after POST /update_weights); nothing otherwise."""
     versions = getattr(output, "weight_versions", None)
     return {"weight_versions": versions} if versions else {}
+
+
+def kv_transfer_params_of(req: Any) -> dict[str, Any] | None:
+    """A request body's `kv_transfer_params` (vLLM's field for KV connectors):
+    an object or 400; the engine checks it suits its connector."""
+    params = getattr(req, "kv_transfer_params", None)
+    if params is None:
+        params = (getattr(req, "model_extra", None) or {}).get("kv_transfer_params")
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise APIError(400, "kv_transfer_params must be an object", "kv_transfer_params")
+    return params
+
+
+def kv_transfer_params_field(outputs: Any) -> dict[str, Any]:
+    """A response's top-level `kv_transfer_params` (vLLM's): the first finished
+    sample's, or null."""
+    for out in outputs:
+        if getattr(out, "kv_transfer_params", None) is not None:
+            return {"kv_transfer_params": out.kv_transfer_params}
+    return {"kv_transfer_params": None}
 
 
 def cache_salt_of(req: Any) -> str | None:

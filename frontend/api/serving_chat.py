@@ -13,6 +13,8 @@ from pagoda.frontend.api.common import (
     accumulate,
     cache_salt_of,
     check_model,
+    kv_transfer_params_field,
+    kv_transfer_params_of,
     lora_for,
     new_id,
     now,
@@ -107,6 +109,7 @@ class ChatServer:
             priority=req.priority,
             lora_request=lora_for(self.engine, model),
             cache_salt=cache_salt_of(req),
+            kv_transfer_params=kv_transfer_params_of(req),
         )
         if req.stream:
             # Validation errors must be a 400, not an in-stream error: start it first.
@@ -188,6 +191,7 @@ class ChatServer:
             "model": model,
             "choices": choices,
             "usage": usage(num_prompt, num_completion),
+            **kv_transfer_params_field(outputs),
         }
 
     async def _stream(
@@ -249,6 +253,9 @@ class ChatServer:
                 delta = tool_stream.delta(o.text, o.finish_reason is not None)
                 if not delta and o.finish_reason is None and tools.mode == "none":
                     delta = {"content": ""}
+                extra = {}
+                if o.kv_transfer_params is not None:
+                    extra["kv_transfer_params"] = o.kv_transfer_params
                 yield chunk(
                     [
                         {
@@ -259,7 +266,8 @@ class ChatServer:
                             "stop_reason": o.stop_reason,
                             **with_weight_versions(o),
                         }
-                    ]
+                    ],
+                    **extra,
                 )
         if include_usage:
             yield chunk(

@@ -12,6 +12,8 @@ from pagoda.frontend.api.common import (
     accumulate,
     cache_salt_of,
     check_model,
+    kv_transfer_params_field,
+    kv_transfer_params_of,
     lora_for,
     merge_streams,
     new_id,
@@ -94,6 +96,7 @@ class CompletionServer:
         await refresh_loras(self.engine, self.served_names, req.model)
         model = check_model(self.engine, self.served_names, req.model)
         params, prompts = self.prepare(req)
+        kv_params = kv_transfer_params_of(req)
         request_id = new_id("cmpl")
         created = now()
         streams = [
@@ -105,6 +108,7 @@ class CompletionServer:
                 priority=req.priority,
                 lora_request=lora_for(self.engine, model),
                 cache_salt=cache_salt_of(req),
+                kv_transfer_params=kv_params,
             )
             for i, p in enumerate(prompts)
         ]
@@ -139,8 +143,13 @@ class CompletionServer:
             params = msgspec.structs.replace(params, prompt_logprobs=req.logprobs)
         processor = self.engine.processor
         prompts = [processor.process_prompt(p, req.add_special_tokens) for p in _prompts(req)]
+        kv_params = kv_transfer_params_of(req)
+        if kv_params is not None and len(prompts) > 1:
+            raise APIError(400, "kv_transfer_params apply to one prompt", "kv_transfer_params")
         for prompt in prompts:  # validate all before starting any
-            processor.make_requests("check", prompt, params, req.priority)
+            processor.make_requests(
+                "check", prompt, params, req.priority, kv_transfer_params=kv_params
+            )
         return params, prompts
 
     async def _collect(
@@ -208,6 +217,7 @@ class CompletionServer:
             "model": model,
             "choices": choices,
             "usage": usage(num_prompt, num_completion),
+            **kv_transfer_params_field(out for outputs in finals for out in outputs),
         }
 
     async def _stream(
@@ -264,6 +274,8 @@ class CompletionServer:
                 }
                 if include_usage:
                     chunk["usage"] = None
+                if o.kv_transfer_params is not None:
+                    chunk["kv_transfer_params"] = o.kv_transfer_params
                 yield sse(chunk)
         if include_usage:
             num_prompt = sum(len(p.prompt_token_ids) for p in prompts)

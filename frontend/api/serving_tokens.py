@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.frontend.api.common import (
     check_model,
+    kv_transfer_params_field,
     lora_for,
     now,
     refresh_loras,
@@ -181,6 +182,7 @@ class TokensServer:
             lora_request=lora_for(self.engine, model),
             detokenize=req.sampling_params.detokenize and not self.tokens_only,
             cache_salt=req.cache_salt,
+            kv_transfer_params=req.kv_transfer_params,
         )
         if req.stream:
             # The first output (or the refusal) comes before any answer: a bad
@@ -215,7 +217,7 @@ class TokensServer:
             "created": now(),
             "choices": choices,
             "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs),
-            "kv_transfer_params": None,
+            **kv_transfer_params_field(final.outputs),
             "usage": usage(len(final.prompt_token_ids), num_completion),
         }
 
@@ -248,7 +250,10 @@ class TokensServer:
                     **with_weight_versions(o),
                 }
                 chunk_usage = usage(num_prompt, num_generated[o.index]) if continuous else None
-                yield sse({"request_id": request_id, "choices": [choice], "usage": chunk_usage})
+                body = {"request_id": request_id, "choices": [choice], "usage": chunk_usage}
+                if o.kv_transfer_params is not None:
+                    body["kv_transfer_params"] = o.kv_transfer_params
+                yield sse(body)
         if include_usage:
             total = usage(num_prompt, sum(num_generated))
             yield sse({"request_id": request_id, "choices": [], "usage": total})

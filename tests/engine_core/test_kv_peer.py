@@ -249,3 +249,30 @@ def test_the_config_is_checked() -> None:
     ]:
         with pytest.raises(ValueError, match=why):
             parse_kv_transfer_config(bad)
+
+
+def test_with_curve_keys_only_a_consumer_holding_them_pulls(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from pagoda.protocol.curve import generate_keys
+
+    keys = str(generate_keys(tmp_path / "keys"))
+    model = tiny_models["llama"]
+    producer = peer_engine(model, "kv_producer", curve_keys=keys)
+    keyed = peer_engine(model, "kv_consumer", curve_keys=keys)
+    keyless = peer_engine(model, "kv_consumer", timeout_s=1)
+    try:
+        prompt = random_prompts(12, 1, 1000, 40, 40)[0]
+        reference = run(producer, [AddRequest("ref", prompt, GREEDY, 0.0)])["ref"].token_ids
+        params = prefill(producer, "p", prompt)
+        out = run(keyless, [AddRequest("d", prompt, GREEDY, 0.0, kv_transfer_params=params)])["d"]
+        assert out.token_ids == reference
+        assert out.kv_transfer_params is not None
+        assert out.kv_transfer_params["kv_transfer"] == "recomputed"
+        out = run(keyed, [AddRequest("d", prompt, GREEDY, 0.0, kv_transfer_params=params)])["d"]
+        assert out.token_ids == reference
+        assert out.kv_transfer_params is not None
+        assert out.kv_transfer_params["kv_transfer"] == "transferred"
+    finally:
+        for engine in (producer, keyed, keyless):
+            engine.shutdown()
