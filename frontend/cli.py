@@ -51,6 +51,31 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         default=25 << 20,
         help="larger audio uploads get 413 (speech to text; the body limit grows to fit)",
     )
+    g.add_argument(
+        "--realtime-max-sessions",
+        type=int,
+        default=100,
+        help="per API server: WebSocket sessions (/v1/realtime) beyond this many are closed 1008",
+    )
+    g.add_argument(
+        "--realtime-max-audio-bytes",
+        type=int,
+        default=25 << 20,
+        help="PCM16 audio one realtime utterance may buffer (default 25 MiB, about 13 min)",
+    )
+    g.add_argument(
+        "--realtime-idle-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a realtime session that sends nothing this long while nothing of it runs is closed",
+    )
+    g.add_argument(
+        "--realtime-max-messages-per-second",
+        type=float,
+        default=100.0,
+        help="client events per second one realtime session may send (a burst of one second)",
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument(
         "--enable-auto-tool-choice",
@@ -156,6 +181,14 @@ def frontend_args_to_argv(ns: argparse.Namespace) -> list[str]:
         str(ns.max_request_body_bytes),
         "--max-audio-file-bytes",
         str(ns.max_audio_file_bytes),
+        "--realtime-max-sessions",
+        str(ns.realtime_max_sessions),
+        "--realtime-max-audio-bytes",
+        str(ns.realtime_max_audio_bytes),
+        "--realtime-idle-timeout",
+        str(ns.realtime_idle_timeout),
+        "--realtime-max-messages-per-second",
+        str(ns.realtime_max_messages_per_second),
     ]
     for key in ns.api_key or []:
         argv += ["--api-key", key]
@@ -215,6 +248,7 @@ async def serve(ns: argparse.Namespace) -> int:
     from pagoda.frontend.async_llm import AsyncLLM
     from pagoda.frontend.engine_client import EngineDeadError
     from pagoda.frontend.http_protocol import header_timeout_protocol
+    from pagoda.frontend.realtime import RealtimeLimits
     from pagoda.protocol.envs import api_key_from_env
 
     log = logging.getLogger("api-server")
@@ -241,6 +275,12 @@ async def serve(ns: argparse.Namespace) -> int:
         max_inflight_requests=ns.max_inflight_requests,
         tokens_only=ns.tokens_only,
         enable_web_ui=not ns.disable_web_ui,
+        realtime_limits=RealtimeLimits(
+            max_sessions=ns.realtime_max_sessions,
+            max_audio_bytes=ns.realtime_max_audio_bytes,
+            idle_timeout=ns.realtime_idle_timeout,
+            max_messages_per_second=ns.realtime_max_messages_per_second,
+        ),
     )
     if ns.enable_admin_api and not ns.admin_api_key:
         log.warning("--enable-admin-api without --admin-api-key: /collective_rpc is open")

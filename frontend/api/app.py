@@ -4,7 +4,8 @@
 router per route family (each `serving_*.py` module has its `build_router`).
 Which families it includes follows the tasks the engine's Ready lists:
 the generation routes for "generate", the pooling routes for "embed", the
-audio routes (`serving_audio.py`) for "transcription" (a Whisper model); the
+audio routes (`serving_audio.py`) for "transcription" (a Whisper model), the
+realtime WebSocket (`serving_realtime.py`) for either of those two; the
 routes of a task the model lacks answer 400 naming its tasks
 (`serving_refusals.py`). With --tokens-only (no tokenizer) it includes the
 token routes and those that need no tokenizer only. The web UI (`serving_ui.py`,
@@ -39,6 +40,7 @@ from pagoda.frontend.api.middleware import RefuseWhileDraining, RequestIdAndSize
 from pagoda.frontend.api.security import install_auth
 from pagoda.frontend.api.serving_admin import build_router as build_admin_router
 from pagoda.frontend.api.serving_anthropic import build_router as build_anthropic_router
+from pagoda.frontend.api.serving_audio import AudioServer
 from pagoda.frontend.api.serving_audio import build_router as build_audio_router
 from pagoda.frontend.api.serving_chat import ChatServer
 from pagoda.frontend.api.serving_completion import CompletionServer
@@ -51,6 +53,7 @@ from pagoda.frontend.api.serving_models import VERSION
 from pagoda.frontend.api.serving_models import build_router as build_models_router
 from pagoda.frontend.api.serving_pooling import PoolingServer
 from pagoda.frontend.api.serving_pooling import build_router as build_pooling_router
+from pagoda.frontend.api.serving_realtime import build_router as build_realtime_router
 from pagoda.frontend.api.serving_refusals import build_router as build_refusals_router
 from pagoda.frontend.api.serving_responses import build_router as build_responses_router
 from pagoda.frontend.api.serving_rl import build_router as build_rl_router
@@ -62,6 +65,7 @@ from pagoda.frontend.api.serving_tokens import build_router as build_tokens_rout
 from pagoda.frontend.api.serving_ui import asset_paths
 from pagoda.frontend.api.serving_ui import build_router as build_ui_router
 from pagoda.frontend.async_llm import AsyncLLM
+from pagoda.frontend.realtime import RealtimeLimits
 
 # Paths that answer while the server drains: monitoring sees the shutdown through.
 DRAIN_OPEN_PATHS = ("/metrics", "/load", "/version")
@@ -97,6 +101,8 @@ class FrontendConfig:
     tokens_only: bool = False
     # The chat page at / (serving_ui.py); off with --disable-web-ui and with tokens_only.
     enable_web_ui: bool = True
+    # WS /v1/realtime (serving_realtime.py): sessions and what each may do.
+    realtime_limits: RealtimeLimits = RealtimeLimits()
 
     @property
     def serves_web_ui(self) -> bool:
@@ -196,4 +202,11 @@ def _routers(
     if "transcription" in tasks:
         audio_limit = config.max_audio_file_bytes
         routers.append(build_audio_router(engine, served, audio_limit, in_flight.counted))
+    if "transcription" in tasks or "generate" in tasks:
+        audio = (
+            AudioServer(engine, served, config.max_audio_file_bytes)
+            if "transcription" in tasks
+            else None
+        )
+        routers.append(build_realtime_router(engine, served, config.realtime_limits, audio))
     return routers

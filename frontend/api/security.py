@@ -3,8 +3,10 @@
 With --api-key set, every route but the open ones (/health, /ping, /version,
 unless --metrics-require-auth /metrics, and the static files of the web UI
 and the docs pages, each by its exact path) needs one of the keys, as a
-bearer token or in X-API-Key. With --admin-api-key set, the engine-control
-and LoRA-admin routes need that key and only it: an API key is not enough.
+bearer token or in X-API-Key (a WebSocket handshake may carry it as the
+subprotocol `openai-insecure-api-key.<key>`, as browsers must). With
+--admin-api-key set, the engine-control and LoRA-admin routes need that key
+and only it: an API key is not enough.
 Keys are compared in constant time. CORS preflights (OPTIONS) pass through.
 WebSocket handshakes are checked the same way, by path, and refused before
 they are accepted (see `middleware.refuse`).
@@ -22,6 +24,8 @@ from pagoda.frontend.api.errors import APIError
 from pagoda.frontend.api.middleware import POLICY_VIOLATION, refuse
 from pagoda.frontend.api.serving_rl import RL_PATHS
 
+# A browser's WebSocket carries its key in this subprotocol (OpenAI's realtime clients).
+API_KEY_SUBPROTOCOL = "openai-insecure-api-key."
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 # Engine-control routes: when --admin-api-key is set they need it (and not --api-key).
 ADMIN_PATHS = frozenset(
@@ -48,11 +52,20 @@ def is_admin_path(path: str) -> bool:
 
 
 def request_token(request: HTTPConnection) -> bytes:
-    """The key a request carries: its bearer token, else its X-API-Key header."""
+    """The key a request carries: its bearer token, else its X-API-Key header,
+    else (a WebSocket from a browser, which cannot set headers) the subprotocol
+    `openai-insecure-api-key.<key>`, as OpenAI's realtime clients send it."""
     header = request.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
         return header[7:].encode()
-    return request.headers.get("x-api-key", "").encode()
+    if "x-api-key" in request.headers:
+        return request.headers["x-api-key"].encode()
+    if request.scope["type"] != "websocket":
+        return b""
+    for protocol in request.headers.get("sec-websocket-protocol", "").split(","):
+        if protocol.strip().startswith(API_KEY_SUBPROTOCOL):
+            return protocol.strip()[len(API_KEY_SUBPROTOCOL) :].encode()
+    return b""
 
 
 def install_auth(

@@ -56,6 +56,7 @@ from pagoda.frontend.async_llm import AsyncLLM
 from pagoda.frontend.audio import (
     SAMPLE_RATE,
     AudioError,
+    Samples,
     decode_audio,
     features_bytes,
     log_mel_features,
@@ -162,6 +163,35 @@ class AudioServer:
         probs: list[float | None] = [self._no_speech_prob(out) for out in no_speech_outputs]
         probs = probs or [None] * len(windows)
         return self._response(task, language, req, duration, windows, texts, probs)
+
+    async def transcribe_window(
+        self, samples: Samples, language: str, request_id: str, no_speech_rule: bool = True
+    ) -> tuple[str, int, int]:
+        """One window (at most 30 s) transcribed as this route does at its defaults
+        (greedy, no prompt, the no-speech rule unless `no_speech_rule` is False): its
+        text, prompt and sampled tokens. The realtime sessions' decodes
+        (realtime_transcription.py)."""
+        mel = await asyncio.to_thread(log_mel_features, samples, self.n_mels)
+        features = features_bytes(mel)
+        window = Window(0.0, len(samples) / SAMPLE_RATE, features)
+        prompt_ids = self.whisper.decoder_prompt("transcribe", language, [])
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=None,  # the rest of the decoder's context, as the route
+            stop_token_ids=[self.whisper.end_of_text],
+            logit_bias=self.whisper.suppress_bias() or None,
+            logprobs=0,
+        )
+        text_stream = self.engine.generate_tokens(
+            None, prompt_ids, params, request_id, "final", encoder_features=features
+        )
+        no_speech = (
+            self._no_speech_streams(request_id, prompt_ids, [window]) if no_speech_rule else []
+        )
+        [out, *no_speech_outputs] = await _collect([text_stream, *no_speech])
+        prob = self._no_speech_prob(no_speech_outputs[0]) if no_speech_outputs else None
+        text = "" if _silent(out, prob) else out.outputs[0].text
+        return text, len(prompt_ids), len(out.outputs[0].token_ids)
 
     def _no_speech_streams(
         self, request_id: str, prompt_ids: list[int], windows: list[Window]
