@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import setproctitle
@@ -53,26 +53,26 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--realtime-max-sessions",
-        type=int,
+        type=_positive(int),
         default=100,
         help="per API server: WebSocket sessions (/v1/realtime) beyond this many are closed 1008",
     )
     g.add_argument(
         "--realtime-max-audio-bytes",
-        type=int,
+        type=_positive(int),
         default=25 << 20,
         help="PCM16 audio one realtime utterance may buffer (default 25 MiB, about 13 min)",
     )
     g.add_argument(
         "--realtime-idle-timeout",
-        type=float,
+        type=_positive(float),
         default=300.0,
         metavar="SECONDS",
         help="a realtime session that sends nothing this long while nothing of it runs is closed",
     )
     g.add_argument(
         "--realtime-max-messages-per-second",
-        type=float,
+        type=_positive(float),
         default=100.0,
         help="client events per second one realtime session may send (a burst of one second)",
     )
@@ -155,6 +155,21 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM, let in-flight requests finish this long, then abort them",
     )
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: a number of `kind` above zero."""
+
+    def parse(value: str) -> float:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+        return number
+
+    return parse
 
 
 def _str_list(value: str) -> list[str]:

@@ -458,3 +458,48 @@ def test_vanished_client_frees_its_engine_request(server: Server) -> None:
 
     asyncio.run(run())
     wait_engine_idle(server.base_url)
+
+
+# ------------------------------------------------------- the openai client
+
+
+def test_openai_client_transcription(whisper: str, short_pcm: np.ndarray, short_text: str) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=whisper + "/v1", api_key=KEY, max_retries=0)
+    with client.realtime.connect(model=MODEL) as connection:
+        assert connection.recv().type == "session.created"
+        transcription = {"model": MODEL, "language": "en"}
+        session = {"type": "transcription", "audio": {"input": {"transcription": transcription}}}
+        connection.session.update(session=session)  # type: ignore[arg-type]
+        connection.input_audio_buffer.append(audio=base64.b64encode(short_pcm.tobytes()).decode())
+        connection.input_audio_buffer.commit()
+        deltas = []
+        for received in connection:
+            if received.type == "conversation.item.input_audio_transcription.delta":
+                deltas.append(received.delta)
+            if received.type == "conversation.item.input_audio_transcription.completed":
+                assert received.transcript == short_text
+                break
+    assert "".join(deltas) == short_text
+
+
+def test_openai_client_conversation(server: Server) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    with client.realtime.connect(model="HuggingFaceTB/SmolLM2-135M-Instruct") as connection:
+        assert connection.recv().type == "session.created"
+        content = [{"type": "input_text", "text": "Say hello."}]
+        item = {"type": "message", "role": "user", "content": content}
+        connection.conversation.item.create(item=item)  # type: ignore[arg-type]
+        connection.response.create(response={"max_output_tokens": 8})
+        text = ""
+        for received in connection:
+            if received.type == "response.output_text.delta":
+                text += received.delta
+            if received.type == "response.done":
+                assert received.response.status == "incomplete", received
+                assert received.response.usage is not None
+                assert received.response.usage.output_tokens == 8
+                [output] = received.response.output
+                assert output.content[0].text == text and text  # type: ignore[union-attr]
+                break
