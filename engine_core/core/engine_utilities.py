@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.kv_connector import PeerConnector
 from pagoda.engine_core.core.lora_manager import LoRAManager
 from pagoda.engine_core.core.request import Request
 from pagoda.engine_core.core.scheduler import Scheduler
@@ -38,6 +39,7 @@ class EngineUtilities:
     _profiling: bool  # a trace is running on the workers
     _asleep: set[str]  # which of SLEEP_TAGS are out of memory now
     _compiling: dict[str, Request]
+    peer: PeerConnector | None  # --kv-transfer-config's PeerConnector
 
     def reset_prefix_cache(self) -> bool:
         self.scheduler.block_manager.reset_prefix_cache()
@@ -74,8 +76,12 @@ class EngineUtilities:
                 f"{busy} requests are in flight; sleep is refused until they finish or are aborted"
             )
         started = time.monotonic()
-        # The cached prefixes live in the KV cache about to be freed.
+        # The cached prefixes live in the KV cache about to be freed, and so do
+        # the blocks held for decode engines (they will find nothing and compute).
         self.scheduler.block_manager.reset_prefix_cache()
+        if self.peer is not None:
+            for key in self.peer.drop_held():
+                self.scheduler.block_manager.release(key)
         self.executor.collective_rpc("sleep", (level, self.config.sleep_offload_dir))
         self._asleep = set(SLEEP_TAGS)
         logger.info("asleep at level %d in %.2f s", level, time.monotonic() - started)

@@ -221,6 +221,14 @@ class PeerConnector:
             released, self._released = self._released, []
         return released + expired
 
+    def drop_held(self) -> list[str]:
+        """Forget every hold (the KV cache is going away); their keys, to free."""
+        with self._lock:
+            keys = list(self._held) + self._released
+            self._held.clear()
+            self._released = []
+        return keys
+
     @property
     def num_held(self) -> int:
         with self._lock:

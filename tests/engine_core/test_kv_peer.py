@@ -25,7 +25,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PREFILL = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
-def peer_engine(model: Path, role: str | None, dtype: str = "float32", **extra: Any) -> EngineCore:
+def peer_engine(
+    model: Path, role: str | None, dtype: str = "float32", tp: int = 1, **extra: Any
+) -> EngineCore:
     config: dict[str, Any] = {}
     if role is not None:
         connector = {"kv_connector": "PeerConnector", "kv_role": role}
@@ -36,6 +38,7 @@ def peer_engine(model: Path, role: str | None, dtype: str = "float32", **extra: 
             dtype=dtype,
             kv_cache_memory_bytes=4 << 20,
             num_threads=NUM_THREADS,
+            tensor_parallel_size=tp,
             **config,
         )
     )
@@ -79,7 +82,9 @@ def engines(tiny_models: dict[str, Path]):  # type: ignore[no-untyped-def]
 
 
 def prefill(producer: EngineCore, request_id: str, prompt: list[int]) -> dict[str, Any]:
-    add = AddRequest(request_id, prompt, PREFILL, 0.0, kv_transfer_params={"do_remote_decode": True})
+    add = AddRequest(
+        request_id, prompt, PREFILL, 0.0, kv_transfer_params={"do_remote_decode": True}
+    )
     result = run(producer, [add])[request_id]
     assert result.error is None and len(result.token_ids) == 1
     params = result.kv_transfer_params
@@ -276,3 +281,39 @@ def test_with_curve_keys_only_a_consumer_holding_them_pulls(
     finally:
         for engine in (producer, keyed, keyless):
             engine.shutdown()
+
+
+def test_tensor_parallel_ranks_pull_from_the_same_ranks(
+    tiny_models: dict[str, Path], engines: tuple[EngineCore, EngineCore]
+) -> None:
+    """Two ranks on each side (worker processes): each rank pulls its KV heads
+    from the producer's rank of the same index; a one-rank consumer is refused."""
+    model = tiny_models["llama"]
+    producer = peer_engine(model, "kv_producer", tp=2)
+    consumer = peer_engine(model, "kv_consumer", tp=2)
+    try:
+        prompts = random_prompts(13, 2, 1000, 30, 60)
+        references = run(
+            producer, [AddRequest(f"ref{i}", p, GREEDY, 0.0) for i, p in enumerate(prompts)]
+        )
+        params = [prefill(producer, f"p{i}", p) for i, p in enumerate(prompts)]
+        assert params[0]["tp_size"] == 2
+        decoded = run(
+            consumer,
+            [
+                AddRequest(f"d{i}", p, GREEDY, 0.0, kv_transfer_params=params[i])
+                for i, p in enumerate(prompts)
+            ],
+        )
+        for i in range(len(prompts)):
+            assert decoded[f"d{i}"].token_ids == references[f"ref{i}"].token_ids
+            out = decoded[f"d{i}"].kv_transfer_params
+            assert out is not None and out["kv_transfer"] == "transferred", out
+        _, one_rank = engines
+        refused = one_rank.add_request(
+            AddRequest("x", prompts[0], GREEDY, 0.0, kv_transfer_params=params[0])
+        )
+        assert refused is not None and "must match" in (refused.error or "")
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
