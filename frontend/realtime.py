@@ -16,6 +16,7 @@ import base64
 import binascii
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,51 @@ class MessageRate:
             return False
         self.tokens -= 1.0
         return True
+
+
+# RFC 6455 close codes a session ends with.
+NORMAL_CLOSURE = 1000
+POLICY_VIOLATION = 1008
+INTERNAL_ERROR = 1011
+
+
+class EventError(ValueError):
+    """A client event refused with an error event (`code` says why); the session goes on."""
+
+    def __init__(self, message: str, code: str = "invalid_event") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class SessionEnd(Exception):
+    """Close the session with `code`, after an error event when `error_code` is set."""
+
+    def __init__(self, code: int, reason: str, error_code: str | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+        self.error_code = error_code
+
+
+def session_model(event: dict[str, Any]) -> Any:
+    """The model a session.update names: vLLM's `model`, or OpenAI's in `session`."""
+    if "model" in event:
+        return event["model"]
+    session = event.get("session")
+    if not isinstance(session, dict):
+        return None
+    return transcription_option(session, "model") or session.get("model")
+
+
+def transcription_option(session: dict[str, Any], key: str) -> Any:
+    """`key` of OpenAI's transcription settings in a session object:
+    `input_audio_transcription` (beta) or `audio.input.transcription` (GA)."""
+    beta = session.get("input_audio_transcription")
+    if isinstance(beta, dict) and key in beta:
+        return beta[key]
+    audio = session.get("audio")
+    ga = audio.get("input", {}).get("transcription") if isinstance(audio, dict) else None
+    return ga.get(key) if isinstance(ga, dict) else None
 
 
 class AudioFormatError(ValueError):

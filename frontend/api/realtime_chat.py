@@ -25,20 +25,13 @@ from typing import Any
 from pagoda.frontend.api.common import lora_for
 from pagoda.frontend.async_llm import AsyncLLM
 from pagoda.frontend.chat_render import render_chat
+from pagoda.frontend.realtime import EventError
 from pagoda.protocol.sampling_params import SamplingParams
 
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
 ROLES = ("user", "system", "assistant", "developer")
 TEXT_PARTS = ("input_text", "text", "output_text")
 DEFAULT_TEMPERATURE = 0.8  # OpenAI Realtime's default
-
-
-class ChatEventError(ValueError):
-    """A conversation event the session cannot take; `code` names why (OpenAI's codes)."""
-
-    def __init__(self, message: str, code: str = "invalid_event") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def item_id() -> str:
@@ -48,25 +41,25 @@ def item_id() -> str:
 def message_item(item: Any) -> dict[str, Any]:
     """A checked message item with text content, an id and status "completed"."""
     if not isinstance(item, dict) or item.get("type", "message") != "message":
-        raise ChatEventError("item must be a message: {type: 'message', role, content}")
+        raise EventError("item must be a message: {type: 'message', role, content}")
     role = item.get("role")
     if role not in ROLES:
-        raise ChatEventError(f"item.role must be one of {list(ROLES)}")
+        raise EventError(f"item.role must be one of {list(ROLES)}")
     content = item.get("content")
     if isinstance(content, str):
         content = [{"type": "input_text", "text": content}]
     if not isinstance(content, list) or not content:
-        raise ChatEventError("item.content must be a non-empty list of text parts")
+        raise EventError("item.content must be a non-empty list of text parts")
     parts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
-            raise ChatEventError(f"content parts must be text ({', '.join(TEXT_PARTS)})")
+            raise EventError(f"content parts must be text ({', '.join(TEXT_PARTS)})")
         if not isinstance(part.get("text"), str):
-            raise ChatEventError("a text part needs a string `text`")
+            raise EventError("a text part needs a string `text`")
         parts.append({"type": part["type"], "text": part["text"]})
     given_id = item.get("id")
     if given_id is not None and not isinstance(given_id, str):
-        raise ChatEventError("item.id must be a string")
+        raise EventError("item.id must be a string")
     return {
         "id": given_id or item_id(),
         "object": "realtime.item",
@@ -119,7 +112,7 @@ class Conversation:
     async def create_item(self, event: dict[str, Any]) -> None:
         item = message_item(event.get("item"))
         if any(existing["id"] == item["id"] for existing in self.items):
-            raise ChatEventError(f"an item with id {item['id']!r} exists already")
+            raise EventError(f"an item with id {item['id']!r} exists already")
         previous = self.items[-1]["id"] if self.items else None
         self.items.append(item)
         for kind in ("conversation.item.created", "conversation.item.added"):
@@ -129,19 +122,19 @@ class Conversation:
         wanted = event.get("item_id")
         kept = [item for item in self.items if item["id"] != wanted]
         if len(kept) == len(self.items):
-            raise ChatEventError(f"no item with id {wanted!r}", "item_not_found")
+            raise EventError(f"no item with id {wanted!r}", "item_not_found")
         self.items = kept
         await self.send("conversation.item.deleted", {"item_id": wanted})
 
     def create_response(self, event: dict[str, Any]) -> None:
         if self.responding:
-            raise ChatEventError(
+            raise EventError(
                 "a response is in progress; wait for response.done or send response.cancel",
                 "conversation_already_has_active_response",
             )
         options = event.get("response") or {}
         if not isinstance(options, dict):
-            raise ChatEventError("response must be an object")
+            raise EventError("response must be an object")
         instructions = self.instructions
         if "instructions" in options:
             instructions = _optional_str(options["instructions"], "instructions")
@@ -158,11 +151,11 @@ class Conversation:
             for i in self.items
         ]
         if not messages:
-            raise ChatEventError("the conversation is empty: create an item first")
+            raise EventError("the conversation is empty: create an item first")
         try:
             prompt = render_chat(self.engine.tokenizer, messages, add_generation_prompt=True)
         except ValueError as e:
-            raise ChatEventError(f"the conversation cannot be rendered: {str(e)[:300]}") from None
+            raise EventError(f"the conversation cannot be rendered: {str(e)[:300]}") from None
         params = SamplingParams(
             temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
             max_tokens=max_tokens,
@@ -279,7 +272,7 @@ def _part(text: str) -> dict[str, str]:
 
 def _optional_str(value: Any, name: str) -> str | None:
     if value is not None and not isinstance(value, str):
-        raise ChatEventError(f"{name} must be a string")
+        raise EventError(f"{name} must be a string")
     return value or None
 
 
@@ -287,7 +280,7 @@ def _temperature(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 2:
-        raise ChatEventError("temperature must be a number from 0 to 2")
+        raise EventError("temperature must be a number from 0 to 2")
     return float(value)
 
 
@@ -295,5 +288,5 @@ def _max_tokens(value: Any, name: str) -> int | None:
     if value is None or value == "inf":
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ChatEventError(f"{name} must be a positive integer or 'inf'")
+        raise EventError(f"{name} must be a positive integer or 'inf'")
     return value

@@ -24,8 +24,10 @@ the final transcription and the deltas stop where they diverged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -38,9 +40,19 @@ from pagoda.frontend.audio import (
     Samples,
     quietest_point,
 )
-from pagoda.frontend.realtime import REDECODE_SAMPLES, new_stable_text, stable_text
+from pagoda.frontend.realtime import (
+    POLICY_VIOLATION,
+    REDECODE_SAMPLES,
+    AudioFormatError,
+    EventError,
+    SessionEnd,
+    new_stable_text,
+    pcm16_samples,
+    stable_text,
+)
 
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
+Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
 
 class Utterance:
@@ -172,3 +184,91 @@ class Utterance:
             self.num_prompt_tokens += num_prompt
             self.num_completion_tokens += num_completion
         return text
+
+
+class Transcriber:
+    """A session's audio events: the utterance audio goes to, and the committed
+    ones still decoding, whose events go out in order (each utterance's task
+    waits for the one committed before it).
+
+    Events go out through `send(type, fields)` under vLLM's name and OpenAI's;
+    tasks run through the session's `spawn`, which reports their failures.
+    """
+
+    def __init__(
+        self, audio: AudioServer, session_id: str, send: Send, spawn: Spawn, max_audio_bytes: int
+    ) -> None:
+        self.audio = audio
+        self.session_id = session_id
+        self.send = send
+        self.spawn = spawn
+        self.max_audio_bytes = max_audio_bytes
+        self.language = "en"
+        self.utterance: Utterance | None = None
+        self.committed_task: asyncio.Task[None] | None = None  # the last committed one's
+        self.previous_item_id: str | None = None
+
+    def append(self, audio: object, decode: bool) -> None:
+        """input_audio_buffer.append; `decode`: the model is checked, decoding may run."""
+        try:
+            samples = pcm16_samples(audio)
+        except AudioFormatError as e:
+            raise EventError(f"Invalid audio data: {e}", "invalid_audio") from None
+        utterance = self._current()
+        if utterance.num_bytes + 2 * len(samples) > self.max_audio_bytes:
+            raise SessionEnd(
+                POLICY_VIOLATION,
+                f"the audio buffer is over {self.max_audio_bytes} bytes: commit with "
+                "final=true sooner",
+                "audio_buffer_full",
+            )
+        utterance.append(samples)
+        if decode:
+            self.start()
+
+    async def commit(self, final: object) -> None:
+        """input_audio_buffer.commit: `final` true (or absent, with audio buffered)
+        ends the utterance; otherwise decoding starts."""
+        if final is not None and not isinstance(final, bool):
+            raise EventError("final must be true or false", "invalid_event")
+        utterance = self._current()
+        self.start()
+        if final or (final is None and utterance.num_samples):
+            utterance.finish()
+            self.utterance = None
+            self.committed_task = utterance.task
+            ids = {"previous_item_id": self.previous_item_id, "item_id": utterance.item_id}
+            await self.send("input_audio_buffer.committed", ids)
+            self.previous_item_id = utterance.item_id
+
+    async def clear(self) -> None:
+        """input_audio_buffer.clear: the utterance's audio is dropped, its decode aborted."""
+        if self.utterance is not None and self.utterance.task is not None:
+            self.utterance.task.cancel()
+        self.utterance = None
+        await self.send("input_audio_buffer.cleared", {})
+
+    def start(self) -> None:
+        """Run the current utterance's task (after the last committed one's), unless it runs."""
+        utterance = self._current()
+        if utterance.task is None or utterance.task.done():
+            utterance.task = self.spawn(utterance.run(after=self.committed_task))
+
+    def _current(self) -> Utterance:
+        if self.utterance is None:
+            item_id = f"item_{uuid.uuid4().hex[:24]}"
+            send = functools.partial(self._send_text, item_id)
+            request_id = f"rt-{self.session_id}-{item_id}"
+            self.utterance = Utterance(self.audio, self.language, item_id, request_id, send)
+        return self.utterance
+
+    async def _send_text(self, item_id: str, kind: str, fields: dict[str, Any]) -> None:
+        """An utterance's "delta" and "done", under vLLM's name and OpenAI's."""
+        item = {"item_id": item_id, "content_index": 0}
+        if kind == "delta":
+            await self.send("transcription.delta", fields)
+            await self.send("conversation.item.input_audio_transcription.delta", {**item, **fields})
+        else:
+            await self.send("transcription.done", fields)
+            completed = {**item, "transcript": fields["text"], "usage": fields["usage"]}
+            await self.send("conversation.item.input_audio_transcription.completed", completed)

@@ -1,9 +1,12 @@
 """`WS /v1/realtime`: realtime sessions over a WebSocket.
 
 On a Whisper model a session transcribes audio while it arrives (vLLM's
-events, with OpenAI Realtime's names for the same things sent alongside);
-on a generate model it holds a text conversation (OpenAI Realtime's text
-events, `realtime_chat.py`).
+events, with OpenAI Realtime's names for the same things sent alongside:
+`Transcriber` in realtime_transcription.py); on a generate model it holds a
+text conversation (OpenAI Realtime's text events: `Conversation` in
+realtime_chat.py). This module is the session around them: the handshake,
+the receive loop, the limits, dispatch by event type, errors and closing.
+docs/api.md ("Realtime (WebSocket)") lists every event.
 
     server  session.created {id, created, session}       on accept
     client  session.update {model, session: {...}}       →  session.updated
@@ -27,8 +30,8 @@ Errors in a client's event answer an `error` event and the session goes on.
 Error events have vLLM's shape (`error` a string, `code`) unless the client
 speaks OpenAI's dialect (a `session` object in session.update, a
 conversation or response event on a chat model, or the `realtime`
-subprotocol), which gets
-OpenAI's (`error` an object with `type`, `code`, `message`, `event_id`).
+subprotocol), which gets OpenAI's (`error` an object with `type`, `code`,
+`message`, `event_id`).
 
 Limits (`RealtimeLimits`, --realtime-* flags): sessions per API server (one
 more is accepted, told why and closed 1008); buffered audio per utterance
@@ -45,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -58,25 +60,27 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from pagoda.frontend.api.common import check_model
 from pagoda.frontend.api.errors import APIError
-from pagoda.frontend.api.realtime_chat import ChatEventError, Conversation
-from pagoda.frontend.api.realtime_transcription import Utterance
+from pagoda.frontend.api.realtime_chat import Conversation
+from pagoda.frontend.api.realtime_transcription import Transcriber
 from pagoda.frontend.api.security import API_KEY_SUBPROTOCOL
 from pagoda.frontend.api.serving_audio import AudioServer
 from pagoda.frontend.async_llm import AsyncLLM, EngineUnavailableError
 from pagoda.frontend.engine_client import EngineDeadError
 from pagoda.frontend.realtime import (
-    AudioFormatError,
+    INTERNAL_ERROR,
+    NORMAL_CLOSURE,
+    POLICY_VIOLATION,
+    EventError,
     MessageRate,
     RealtimeLimits,
-    pcm16_samples,
+    SessionEnd,
+    session_model,
+    transcription_option,
 )
 from pagoda.frontend.whisper_tokens import WhisperTokenError
 
 logger = logging.getLogger(__name__)
 
-NORMAL_CLOSURE = 1000
-POLICY_VIOLATION = 1008
-INTERNAL_ERROR = 1011
 TRANSCRIPTION_EVENTS = (
     "input_audio_buffer.append",
     "input_audio_buffer.commit",
@@ -90,24 +94,6 @@ CHAT_EVENTS = (
 )
 
 
-class SessionEnd(Exception):
-    """Close the session with `code`, after an error event when `error_code` is set."""
-
-    def __init__(self, code: int, reason: str, error_code: str | None = None) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-        self.error_code = error_code
-
-
-class EventError(ValueError):
-    """A client event that is refused with an error event; the session goes on."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def choose_subprotocol(offered: list[str]) -> str | None:
     """The subprotocol to accept: "realtime" if offered, else the first one
     offered (a browser fails a handshake that picks none of those it sent)."""
@@ -116,27 +102,6 @@ def choose_subprotocol(offered: list[str]) -> str | None:
     plain = [p for p in offered if not p.startswith(API_KEY_SUBPROTOCOL)]
     choices = plain or offered
     return choices[0] if choices else None
-
-
-def session_model(event: dict[str, Any]) -> Any:
-    """The model a session.update names: vLLM's `model`, or OpenAI's in `session`."""
-    if "model" in event:
-        return event["model"]
-    session = event.get("session")
-    if not isinstance(session, dict):
-        return None
-    return _transcription_option(session, "model") or session.get("model")
-
-
-def _transcription_option(session: dict[str, Any], key: str) -> Any:
-    """`key` of OpenAI's transcription settings: `input_audio_transcription` (beta)
-    or `audio.input.transcription` (GA)."""
-    beta = session.get("input_audio_transcription")
-    if isinstance(beta, dict) and key in beta:
-        return beta[key]
-    audio = session.get("audio")
-    ga = audio.get("input", {}).get("transcription") if isinstance(audio, dict) else None
-    return ga.get(key) if isinstance(ga, dict) else None
 
 
 class RealtimeServer:
@@ -187,15 +152,16 @@ class RealtimeSession:
         self.id = f"sess_{uuid.uuid4().hex[:24]}"
         self.model = server.served[0]
         self.model_checked = False
-        self.language = "en"
         self.rate = MessageRate(server.limits.max_messages_per_second)
         self.send_lock = asyncio.Lock()
         self.closed = False
         self.failure: SessionEnd | None = None  # set by a task; the loop closes with it
         self.tasks: set[asyncio.Task[None]] = set()
-        self.utterance: Utterance | None = None  # the one audio is appended to
-        self.committed_task: asyncio.Task[None] | None = None  # the last committed one's
-        self.previous_item_id: str | None = None
+        self.transcriber = (
+            Transcriber(server.audio, self.id, self.send, self.spawn, server.limits.max_audio_bytes)
+            if server.audio is not None
+            else None
+        )
         self.conversation = Conversation(self.engine, lambda: self.model, self.send, self.spawn)
         self.client_event_id: str | None = None
 
@@ -203,7 +169,8 @@ class RealtimeSession:
 
     async def run(self) -> None:
         await self._check_url_model()
-        await self.send("session.created", {"id": self.id, "created": int(time.time())})
+        created = {"id": self.id, "created": int(time.time()), "session": self.session_json()}
+        await self.send("session.created", created)
         receiving: asyncio.Task[Any] | None = None
         last_active = time.monotonic()
         try:
@@ -327,21 +294,19 @@ class RealtimeSession:
             await self.on_event(event)
         except EventError as e:
             await self.send_error(str(e), e.code)
-        except ChatEventError as e:
-            await self.send_error(str(e), e.code)
 
     async def on_event(self, event: dict[str, Any]) -> None:
         kind = event["type"]
         if kind in ("session.update", "transcription_session.update"):
             await self.on_session_update(event)
         elif kind in TRANSCRIPTION_EVENTS:
-            if self.server.audio is None:
+            if self.transcriber is None:
                 raise EventError(
                     f"the model `{self.model}` does not transcribe audio: it holds text "
                     "conversations (conversation.item.create, response.create)",
                     "invalid_event",
                 )
-            await self.on_audio_event(kind, event)
+            await self.on_audio_event(self.transcriber, kind, event)
         elif kind in CHAT_EVENTS:
             if "generate" not in self.engine.ready.supported_tasks:
                 raise EventError(
@@ -367,17 +332,19 @@ class RealtimeSession:
             self.model = self._checked_model(model)
         language = event.get("language")
         if session is not None and language is None:
-            language = _transcription_option(session, "language")
-        if language is not None and self.server.audio is not None:
+            language = transcription_option(session, "language")
+        if language is not None and self.transcriber is not None:
             try:
-                self.language = self.server.audio.whisper.check_language(str(language))
+                self.transcriber.language = self.transcriber.audio.whisper.check_language(
+                    str(language)
+                )
             except WhisperTokenError as e:
                 raise EventError(str(e), "invalid_event") from None
         if session is not None:
             self.conversation.configure(session)
         self.model_checked = True
-        if self.utterance is not None and self.utterance.num_samples:
-            self._start_decoding()
+        if self.transcriber is not None and self.transcriber.utterance is not None:
+            self.transcriber.start()  # the audio that waited for the model
         reply = "transcription_session.updated" if "transcription" in event["type"] else None
         await self.send(reply or "session.updated", {"session": self.session_json()})
 
@@ -399,7 +366,7 @@ class RealtimeSession:
             await self.send_error(str(e), e.code)
 
     def session_json(self) -> dict[str, Any]:
-        transcribes = self.server.audio is not None
+        language = self.transcriber.language if self.transcriber is not None else None
         return {
             "id": self.id,
             "object": "realtime.session",
@@ -407,7 +374,7 @@ class RealtimeSession:
             "modalities": ["text"],
             "input_audio_format": "pcm16",
             "input_audio_transcription": (
-                {"model": self.model, "language": self.language} if transcribes else None
+                {"model": self.model, "language": language} if language is not None else None
             ),
             "instructions": self.conversation.instructions,
             "temperature": self.conversation.temperature,
@@ -417,77 +384,21 @@ class RealtimeSession:
 
     # ------------------------------------------------------- transcription
 
-    async def on_audio_event(self, kind: str, event: dict[str, Any]) -> None:
+    async def on_audio_event(
+        self, transcriber: Transcriber, kind: str, event: dict[str, Any]
+    ) -> None:
         if kind == "input_audio_buffer.append":
-            try:
-                samples = pcm16_samples(event.get("audio"))
-            except AudioFormatError as e:
-                raise EventError(f"Invalid audio data: {e}", "invalid_audio") from None
-            utterance = self._current_utterance()
-            limit = self.server.limits.max_audio_bytes
-            if utterance.num_bytes + 2 * len(samples) > limit:
-                raise SessionEnd(
-                    POLICY_VIOLATION,
-                    f"the audio buffer is over {limit} bytes: commit with final=true sooner",
-                    "audio_buffer_full",
-                )
-            utterance.append(samples)
-            if self.model_checked:
-                self._start_decoding()
-        elif kind == "input_audio_buffer.commit":
-            if not self.model_checked:
-                raise EventError(
-                    "Model not validated. Make sure to validate the model by sending a "
-                    "session.update event.",
-                    "model_not_validated",
-                )
-            final = event.get("final")
-            if final is not None and not isinstance(final, bool):
-                raise EventError("final must be true or false", "invalid_event")
-            utterance = self._current_utterance()
-            self._start_decoding()
-            if final or (final is None and utterance.num_samples):
-                utterance.finish()
-                self.utterance = None
-                self.committed_task = utterance.task
-                await self.send(
-                    "input_audio_buffer.committed",
-                    {"previous_item_id": self.previous_item_id, "item_id": utterance.item_id},
-                )
-                self.previous_item_id = utterance.item_id
-        else:  # input_audio_buffer.clear
-            if self.utterance is not None and self.utterance.task is not None:
-                self.utterance.task.cancel()  # aborts its decode
-            self.utterance = None
-            await self.send("input_audio_buffer.cleared", {})
-
-    def _current_utterance(self) -> Utterance:
-        if self.utterance is None:
-            assert self.server.audio is not None  # audio events only on a Whisper model
-            item_id = f"item_{uuid.uuid4().hex[:24]}"
-            send = functools.partial(self.send_transcription, item_id)
-            request_id = f"rt-{self.id}-{item_id}"
-            self.utterance = Utterance(self.server.audio, self.language, item_id, request_id, send)
-        return self.utterance
-
-    def _start_decoding(self) -> None:
-        """Run the current utterance's task (after the last committed one's), unless it runs."""
-        utterance = self._current_utterance()
-        if utterance.task is None or utterance.task.done():
-            utterance.task = self.spawn(utterance.run(after=self.committed_task))
-
-    async def send_transcription(self, item_id: str, kind: str, fields: dict[str, Any]) -> None:
-        """An utterance's events, under vLLM's name and OpenAI's."""
-        item = {"item_id": item_id, "content_index": 0}
-        if kind == "delta":
-            await self.send("transcription.delta", fields)
-            await self.send("conversation.item.input_audio_transcription.delta", {**item, **fields})
-        else:
-            await self.send("transcription.done", fields)
-            await self.send(
-                "conversation.item.input_audio_transcription.completed",
-                {**item, "transcript": fields["text"], "usage": fields["usage"]},
+            transcriber.append(event.get("audio"), decode=self.model_checked)
+        elif kind == "input_audio_buffer.clear":
+            await transcriber.clear()
+        elif not self.model_checked:
+            raise EventError(
+                "Model not validated. Make sure to validate the model by sending a "
+                "session.update event.",
+                "model_not_validated",
             )
+        else:
+            await transcriber.commit(event.get("final"))
 
     # ------------------------------------------------------------- chat
 

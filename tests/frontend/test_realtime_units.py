@@ -15,13 +15,14 @@ from starlette.requests import HTTPConnection
 
 from pagoda.frontend.api.realtime_transcription import Utterance
 from pagoda.frontend.api.security import request_token
-from pagoda.frontend.api.serving_realtime import choose_subprotocol, session_model
+from pagoda.frontend.api.serving_realtime import choose_subprotocol
 from pagoda.frontend.audio import SAMPLE_RATE, split_audio
 from pagoda.frontend.realtime import (
     AudioFormatError,
     MessageRate,
     new_stable_text,
     pcm16_samples,
+    session_model,
     stable_text,
 )
 
