@@ -5,7 +5,10 @@ paged KV cache, sampling: all ModelRunner's). What it adds is the audio: when
 a request is admitted (first, or again after preemption) the encoder runs
 once on its log-mel window, batched with the other requests admitted in the
 same step, and the decoder's cross-attention keys and values of that output
-are kept, per request, until the request finishes or is preempted. Each step
+are kept, per request, until the request finishes or is preempted. Requests
+with the same window (the API server's one-token no-speech request beside a
+window's transcription) share one encoder pass and one copy of that state.
+Each step
 the runner tells the model which flat tokens belong to which request, so each
 attends to its own audio. Eager only (no CUDA graphs), no LoRA, one rank.
 """
@@ -39,6 +42,9 @@ class WhisperRunner(ModelRunner):
         assert model_config.whisper is not None
         self.cross_kv: dict[str, torch.Tensor] = {}  # request id → [layers, 2, heads, S, d]
         self._to_encode: dict[str, bytes] = {}
+        # Windows encoded for requests still here: features → (state, users).
+        self._encoded: dict[bytes, tuple[torch.Tensor, set[str]]] = {}
+        self._features_of: dict[str, bytes] = {}
         self.whisper: WhisperForConditionalGeneration  # set by _load_model
         super().__init__(config, model_config)
 
@@ -70,6 +76,8 @@ class WhisperRunner(ModelRunner):
     def release_kv_cache(self) -> None:
         self.cross_kv.clear()
         self._to_encode.clear()
+        self._encoded.clear()
+        self._features_of.clear()
         super().release_kv_cache()
 
     # --------------------------------------------------------- request state
@@ -84,6 +92,12 @@ class WhisperRunner(ModelRunner):
         super()._forget(request_id)
         self.cross_kv.pop(request_id, None)
         self._to_encode.pop(request_id, None)
+        features = self._features_of.pop(request_id, None)
+        if features is not None:
+            _, users = self._encoded[features]
+            users.discard(request_id)
+            if not users:
+                del self._encoded[features]
 
     def _apply_plan(self, plan: SchedulePlan) -> None:
         super()._apply_plan(plan)
@@ -95,20 +109,23 @@ class WhisperRunner(ModelRunner):
         whisper = self.model_config.whisper
         assert whisper is not None
         shape = (whisper.num_mel_bins, whisper.num_input_frames)
-        ids = list(self._to_encode)
-        for i in range(0, len(ids), MAX_ENCODER_BATCH):
-            batch = ids[i : i + MAX_ENCODER_BATCH]
+        # One pass per distinct window not encoded yet (bytes hash and compare).
+        windows = list(dict.fromkeys(f for f in self._to_encode.values() if f not in self._encoded))
+        for i in range(0, len(windows), MAX_ENCODER_BATCH):
+            batch = windows[i : i + MAX_ENCODER_BATCH]
             features = torch.stack(
-                [
-                    torch.frombuffer(bytearray(self._to_encode[r]), dtype=torch.float32).view(shape)
-                    for r in batch
-                ]
+                [torch.frombuffer(bytearray(f), dtype=torch.float32).view(shape) for f in batch]
             ).to(device=self.device, dtype=self.dtype)  # [B, n_mels, frames]
             cross = self.whisper.encode(features)  # [B, layers, 2, heads, S, d]
-            for request_id, kv in zip(batch, cross, strict=True):
+            for window, kv in zip(batch, cross, strict=True):
                 # Its own copy: a view would hold the whole batch's memory
                 # until the last request of the batch finished.
-                self.cross_kv[request_id] = kv.clone()
+                self._encoded[window] = (kv.clone(), set())
+        for request_id, window in self._to_encode.items():
+            kv, users = self._encoded[window]
+            users.add(request_id)
+            self._features_of[request_id] = window
+            self.cross_kv[request_id] = kv
         self._to_encode.clear()
 
     # ------------------------------------------------------------------ step

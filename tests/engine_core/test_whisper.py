@@ -160,6 +160,41 @@ def test_batched_clips_give_the_same_tokens(
     assert [got[f"many{i}"] for i in range(len(audio))] == reference + reference
 
 
+def test_requests_with_the_same_window_share_one_encoder_pass(
+    engine: EngineCore, clips: list[np.ndarray], reference: list[list[int]]
+) -> None:
+    """A window's transcription and its one-token no-speech request (what the
+    API server sends) run the encoder once; each keeps its state until it ends."""
+    runner = engine.executor.worker.runner  # type: ignore[attr-defined]
+    calls: list[int] = []
+    encode = runner.whisper.encode
+
+    def counting(features: Any) -> Any:
+        calls.append(features.shape[0])
+        return encode(features)
+
+    runner.whisper.encode = counting
+    try:
+        same = _request("long", clips[0])
+        short = AddRequest(
+            "short",
+            [SOT],
+            SamplingParams(temperature=0.0, max_tokens=1),
+            0.0,
+            encoder_features=same.encoder_features,
+        )
+        other = _request("other", clips[1])
+        tokens = _transcribe(engine, [same, short, other])
+    finally:
+        runner.whisper.encode = encode
+    assert sum(calls) == 2  # two distinct windows for three requests
+    assert tokens["long"] == reference[0] and tokens["other"] == reference[1]
+    # Finished requests are forgotten with the next plan: their state goes then.
+    _transcribe(engine, [_request("next", clips[2], max_tokens=1)])
+    assert not {"long", "short", "other"} & set(runner.cross_kv)
+    assert all(users <= {"next"} for _, users in runner._encoded.values())
+
+
 @pytest.mark.slow
 def test_preempted_requests_recompute_their_audio(
     clips: list[np.ndarray], reference: list[list[int]]
