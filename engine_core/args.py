@@ -118,6 +118,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '"kv_connector_extra_config": {"cpu_bytes": N}} keeps evicted prefix blocks in host memory',
     )
     g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding by prompt lookup: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+    )
+    g.add_argument(
         "--sleep-offload-dir",
         default=None,
         help="where sleep level 1 spills CPU weights (default: the system temp dir)",
@@ -229,6 +236,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         sleep_offload_dir=ns.sleep_offload_dir,
         paused_request_timeout_s=ns.paused_request_timeout,
         kv_transfer_config=ns.kv_transfer_config,
+        speculative_config=ns.speculative_config,
         weight_transfer_backend=weight_transfer_backend(ns.weight_transfer_config),
         runner=ns.runner,
         enforce_eager=ns.enforce_eager,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.engine_core.core.spec_decode import parse_speculative_config
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -51,6 +53,10 @@ class EngineConfig:
     # "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes": N}}
     # keeps evicted prefix blocks in a host-memory tier.
     kv_transfer_config: str | None = None
+    # vLLM's --speculative-config as JSON: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
+    # (core/spec_decode.py parses it); None: no speculative decoding.
+    speculative_config: str | None = None
     # auto | generate | pooling (vLLM's --runner): "pooling" serves a decoder's
     # embeddings (last-token pooling) instead of generating.
     runner: str = "auto"
@@ -104,6 +110,7 @@ class EngineConfig:
         return "uni" if self.world_size == 1 else "mp"
 
     def __post_init__(self) -> None:
+        parse_speculative_config(self.speculative_config)  # a clear error at start
         if self.quantization not in (None, "gguf", "int8"):
             raise ValueError(f"quantization must be gguf, int8 or unset, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

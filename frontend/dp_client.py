@@ -74,10 +74,17 @@ class DPClient:
         summed = {
             name: sum(getattr(s, name) for s in all_stats)
             for name in SchedulerStats.__struct_fields__
-            if name not in ("kv_cache_usage", "is_sleeping")
+            if name
+            not in ("kv_cache_usage", "is_sleeping", "spec_decode_num_accepted_tokens_per_pos")
         }
+        per_pos = [s.spec_decode_num_accepted_tokens_per_pos for s in all_stats]
         total = SchedulerStats(
-            kv_cache_usage=sum(s.kv_cache_usage for s in all_stats) / len(all_stats), **summed
+            kv_cache_usage=sum(s.kv_cache_usage for s in all_stats) / len(all_stats),
+            spec_decode_num_accepted_tokens_per_pos=[
+                sum(p[i] for p in per_pos if i < len(p))
+                for i in range(max(len(p) for p in per_pos))
+            ],
+            **summed,
         )
         # Sleep is commanded to all engines together.
         return msgspec.structs.replace(total, is_sleeping=all_stats[0].is_sleeping)

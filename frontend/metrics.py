@@ -94,6 +94,27 @@ def _kv_transfer_counters(stats: SchedulerStats) -> list[tuple[str, str, float]]
     ]
 
 
+def _spec_decode_counters(stats: SchedulerStats) -> list[tuple[str, str, float]]:
+    """Speculative decoding's counters (--speculative-config)."""
+    return [
+        (
+            "vllm:spec_decode_num_drafts",
+            "Request-steps that verified draft tokens.",
+            stats.spec_decode_num_drafts,
+        ),
+        (
+            "vllm:spec_decode_num_draft_tokens",
+            "Draft tokens verified.",
+            stats.spec_decode_num_draft_tokens,
+        ),
+        (
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            stats.spec_decode_num_accepted_tokens,
+        ),
+    ]
+
+
 class EngineStatsCollector(Collector):
     """Engine gauges and counters read from the latest stats the engine sent."""
 
@@ -139,10 +160,19 @@ class EngineStatsCollector(Collector):
                 stats.prompt_tokens_computed,
             ),
             *_kv_transfer_counters(stats),
+            *_spec_decode_counters(stats),
         ):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric(values, value)
             yield counter
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens, by position in the draft.",
+            labels=[*labels, "position"],
+        )
+        for pos, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([*values, str(pos)], value)
+        yield per_pos
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "KV cache configuration.",

@@ -185,6 +185,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_recomputed: int = 0  # remote-prefill requests computed here instead
     kv_served: int = 0  # requests whose KV a consumer pulled from here
     kv_expired: int = 0  # held KV freed unread after the timeout
+    # Speculative decoding (--speculative-config): request-steps that verified
+    # drafts, draft tokens, accepted ones, and accepted ones by draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

@@ -146,7 +146,9 @@ class BlockManager:
         for _ in range(num_needed - len(kept)):
             blocks.append(self._pop_free_block())
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, num_total)
+            # Only positions holding the request's real tokens: speculative
+            # drafts past them may be rejected, their KV rewritten later.
+            self._cache_full_blocks(request, min(num_total, request.num_tokens))
         return True
 
     def free(self, request: Request) -> None:

@@ -30,6 +30,7 @@ from pagoda.engine_core.core.lora_manager import LoRAManager, WorkerLoRA
 from pagoda.engine_core.core.plan import GrammarBitmask, SchedulePlan, StepResult
 from pagoda.engine_core.core.request import Request
 from pagoda.engine_core.core.scheduler import Scheduler
+from pagoda.engine_core.core.spec_decode import SpeculativeConfig, parse_speculative_config
 from pagoda.engine_core.core.training import TrainingControls
 from pagoda.engine_core.executor import create_executor, device_type
 from pagoda.engine_core.model_config import (
@@ -110,6 +111,7 @@ class EngineCore(EngineUtilities, TrainingControls):
             lora_slots=self.lora.slots if self.lora is not None else None,
             sends_token_ids=config.pipeline_parallel_size > 1,
             pipeline_depth=config.pipeline_parallel_size,
+            speculative=self._speculative_config(),
         )
         self.peer = self._start_peer()
         self.scheduler.connector = self.peer
@@ -154,6 +156,21 @@ class EngineCore(EngineUtilities, TrainingControls):
             config.block_size,
             max_model_len,
         )
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        """--speculative-config where drafts can be verified: not under pipeline
+        parallelism, not for Whisper or pooling models (they run without)."""
+        spec = parse_speculative_config(self.config.speculative_config)
+        if spec is None:
+            return None
+        if (
+            self.config.pipeline_parallel_size > 1
+            or self.model_config.whisper is not None
+            or self.model_config.is_encoder
+        ):
+            logger.warning("--speculative-config: this engine runs without speculative decoding")
+            return None
+        return spec
 
     def _start_lora(self) -> LoRAManager | None:
         """The adapter registry with the --lora-modules registered (None without LoRA)."""

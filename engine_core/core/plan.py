@@ -75,6 +75,10 @@ class SchedulePlan(msgspec.Struct, kw_only=True):
     # first: (device block, host slot) copied out, (host slot, device block) back in.
     kv_saves: list[tuple[int, int]] = msgspec.field(default_factory=list)
     kv_loads: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # Speculative decoding: request id -> draft tokens to verify. Such a request
+    # is scheduled 1 + len(drafts) tokens (its last sampled token, then the
+    # drafts) and samples at each of those positions.
+    spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -89,6 +93,9 @@ class StepResult(msgspec.Struct, kw_only=True):
     """What the worker computed: sampled tokens (and logprobs) by request id."""
 
     sampled_token_ids: dict[str, int] = msgspec.field(default_factory=dict)
+    # Requests verified with drafts: every token the step produced for them,
+    # the accepted drafts then the target's own (sampled_token_ids holds the first).
+    accepted_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     logprobs: dict[str, Logprobs] = msgspec.field(default_factory=dict)
     # request id -> logprobs of prompt positions [start, end) computed this step
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = msgspec.field(default_factory=dict)

@@ -29,6 +29,7 @@ from pagoda.engine_core.core.kv_connector import PeerConnector
 from pagoda.engine_core.core.lora_slots import LoRASlots
 from pagoda.engine_core.core.plan import CachedRequestData, NewRequestData, SchedulePlan, StepResult
 from pagoda.engine_core.core.request import Request, RequestStatus
+from pagoda.engine_core.core.spec_decode import NgramProposer, SpeculativeConfig
 from pagoda.protocol.messages import RequestDelta, SchedulerStats
 
 
@@ -44,10 +45,13 @@ class Scheduler:
         lora_slots: LoRASlots | None = None,
         sends_token_ids: bool = False,
         pipeline_depth: int = 1,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`sends_token_ids`: the workers keep no sampled tokens (pipeline
         parallelism); each plan brings them a request's tokens since the last.
-        `pipeline_depth`: how many plans may be in flight at once."""
+        `pipeline_depth`: how many plans may be in flight at once.
+        `speculative`: prompt-lookup drafts for decoding requests (not with
+        pipeline parallelism)."""
         self.block_manager = block_manager
         # With LoRA: a request runs only while its adapter holds a slot, so a
         # step never names more adapters than there are slots.
@@ -75,6 +79,16 @@ class Scheduler:
         # KV transfers between engines (core/kv_connector.py): a producer holds
         # finished requests' blocks for consumers; the engine sets this.
         self.connector: PeerConnector | None = None
+        # Speculative decoding (core/spec_decode.py) and its counters.
+        self.proposer: NgramProposer | None = None
+        if speculative is not None and pipeline_depth == 1 and not sends_token_ids:
+            self.proposer = NgramProposer(speculative)
+        self.num_spec_drafts = 0  # steps that verified drafts (request-steps)
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
+        self.num_spec_accepted_per_pos: list[int] = (
+            [0] * speculative.num_speculative_tokens if speculative is not None else []
+        )
 
     # ----------------------------------------------------------------- intake
 
@@ -112,6 +126,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_token_ids: dict[str, list[int]] = {}
         preempted_now = False
         in_flight = self.in_flight
         # With plans in flight, each takes an even share of the requests.
@@ -127,8 +142,13 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            draft = self._draft(request, budget) if num_new == 1 else []
+            num_new += len(draft)
             num_old_blocks = len(self.block_manager.get_block_ids(request.request_id))
             while not self.block_manager.allocate_slots(request, num_new):
+                if draft:  # short of blocks: the drafts go before anyone is preempted
+                    draft, num_new = [], 1
+                    continue
                 # Only requests not yet in this step's plan (nor in flight) may
                 # go: one already planned would reach the runner after being
                 # forgotten.
@@ -144,6 +164,8 @@ class Scheduler:
                 continue  # it preempted itself; self.running[i] is the next one
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if draft:
+                spec_token_ids[request.request_id] = draft
             block_ids = self.block_manager.get_block_ids(request.request_id)
             new_token_ids: list[int] = []
             if self._runner_tokens is not None:
@@ -241,6 +263,7 @@ class Scheduler:
             lora_loads=loads,
             kv_saves=kv_saves,
             kv_loads=kv_loads,
+            spec_token_ids=spec_token_ids,
         )
 
     # ----------------------------------------------------------------- update
@@ -291,18 +314,34 @@ class Scheduler:
             token_id = result.sampled_token_ids.get(request_id)
             if token_id is None:
                 continue  # a prompt chunk that does not reach the end yet
+            new_token_ids = [token_id]
+            draft = plan.spec_token_ids.get(request_id)
+            if draft is not None:
+                new_token_ids = result.accepted_token_ids.get(request_id, new_token_ids)
+                num_accepted = len(new_token_ids) - 1
+                self._count_spec(request_id, len(draft), num_accepted)
+                # The rejected drafts' positions hold garbage KV: not computed
+                # (the next steps write them again, and block_manager caches
+                # blocks only up to the request's real tokens).
+                request.num_computed_tokens -= len(draft) - num_accepted
             is_first = request.num_output_tokens == 0
             if request.first_token_at is None:
                 request.first_token_at = time.monotonic()
-            request.append_output_token(token_id)
-            done = request.check_stop(self.max_model_len)
+            # The stop rules apply after each token: a stop mid-draft drops the rest.
+            done = False
+            for num_new, token_id in enumerate(new_token_ids, 1):
+                request.append_output_token(token_id)
+                done = request.check_stop(self.max_model_len)
+                if done:
+                    new_token_ids = new_token_ids[:num_new]
+                    break
             if not done and request_id in grammar_terminated:
                 request.finish_reason = "stop"
                 done = True
             logprobs = result.logprobs.get(request_id)
             delta = RequestDelta(
                 request_id=request_id,
-                new_token_ids=[token_id],
+                new_token_ids=new_token_ids,
                 new_logprobs=[logprobs] if logprobs is not None else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
@@ -327,6 +366,10 @@ class Scheduler:
             prefix_cache_queries=self.block_manager.num_prefix_queries,
             prefix_cache_hits=self.block_manager.num_prefix_hits,
             prompt_tokens_computed=self.num_prompt_tokens_computed,
+            spec_decode_num_drafts=self.num_spec_drafts,
+            spec_decode_num_draft_tokens=self.num_spec_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_spec_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.num_spec_accepted_per_pos),
         )
         if self.connector is not None:
             peer = self.connector.stats
@@ -340,6 +383,48 @@ class Scheduler:
         return stats
 
     # -------------------------------------------------------------- internals
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Prompt-lookup drafts for a decoding request ([] where it runs without).
+
+        Drafts past max_tokens or max_model_len could never be kept, so none
+        are proposed there; nor for what the first slice does not verify:
+        penalties, logit bias, logprobs, structured output, pooling.
+        """
+        proposer = self.proposer
+        if proposer is None or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        limit = proposer.config.disable_by_batch_size
+        if limit is not None and self.num_unfinished > limit:
+            return []
+        p = request.sampling_params
+        if (
+            request.is_pooling
+            or request.grammar is not None
+            or p.needs_penalties
+            or p.logit_bias
+            or p.logprobs is not None
+            or p.logprob_token_ids is not None
+            or p.prompt_logprobs is not None
+        ):
+            return []
+        max_drafts = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        if max_drafts <= 0:
+            return []
+        return proposer.propose(request.request_id, request.all_token_ids, max_drafts)
+
+    def _count_spec(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_drafts
+        self.num_spec_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_spec_accepted_per_pos[pos] += 1
+        assert self.proposer is not None
+        self.proposer.record(request_id, num_drafts, num_accepted)
 
     def _lora_fits(self, request: Request) -> bool:
         if request.lora_name is None or self.lora_slots is None:
@@ -382,6 +467,8 @@ class Scheduler:
         else:
             self.block_manager.free(request)
         self._forget_in_runner(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         del self.requests[request.request_id]
 
     def _forget_in_runner(self, request_id: str) -> None:

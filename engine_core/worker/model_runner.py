@@ -387,6 +387,7 @@ class ModelRunner(RunnerUtilities):
         inputs = _Inputs(StepBatch([], [], [], []))
         attn = inputs.attention
         bs = self.block_size
+        spec = plan.spec_token_ids
         for request_id in order:
             state = self.requests[request_id]
             n = plan.num_scheduled_tokens[request_id]
@@ -395,6 +396,9 @@ class ModelRunner(RunnerUtilities):
             flat_start = len(inputs.input_ids)
             inputs.rows.append((request_id, flat_start, n))
             inputs.input_ids.extend(state.token_ids[start:end])
+            # Speculative decoding: the last sampled token, then the drafts to verify.
+            draft = spec.get(request_id, ())
+            inputs.input_ids.extend(draft)
             inputs.positions.extend(range(start, end))
             inputs.token_slots.extend([state.lora_slot] * n)
             blocks = state.block_ids
@@ -410,9 +414,11 @@ class ModelRunner(RunnerUtilities):
             if state.pooling is not None:
                 assert start == 0 and end == len(state.token_ids), "pooling is never chunked"
                 inputs.pool_rows.append((request_id, flat_start, n))
-            elif end == len(state.token_ids):
+            elif end == len(state.token_ids) + len(draft):
+                # A verified request samples at its last token and each draft.
+                flat_end = len(inputs.input_ids)
                 inputs.sample_ids.append(request_id)
-                inputs.logit_rows.append(len(inputs.input_ids) - 1)
+                inputs.logit_rows.extend(range(flat_end - 1 - len(draft), flat_end))
         return inputs
 
     def _forward(self, inputs: _Inputs) -> torch.Tensor:
@@ -476,26 +482,50 @@ class ModelRunner(RunnerUtilities):
     def _sample(
         self, hidden: torch.Tensor, inputs: _Inputs, plan: SchedulePlan, result: StepResult
     ) -> None:
-        """Logits of the rows that end their request's tokens, masked, sampled, recorded."""
+        """Logits of the rows that end their request's tokens, masked, sampled, recorded.
+
+        A request with drafts has a row at its last token and at each draft,
+        each sampled as if the drafts before it had been sampled (min_tokens,
+        a seed's counter). Its drafts are kept while they equal the token
+        sampled at their position; the token sampled at the first mismatch (or
+        after the last draft) ends its tokens. With a one-hot draft
+        distribution this is exactly rejection sampling: draft t is kept with
+        probability p(t), and a rejection leaves a token drawn from p without
+        t, renormalised; greedy rows keep the drafts that equal the argmax.
+        """
         sample_ids = inputs.sample_ids
         # With last_rows, hidden holds the sampled rows alone, in order.
         sampled = hidden if inputs.last_rows is not None else hidden[inputs.logit_rows]
-        logits = self.model.compute_logits(sampled).cpu()  # [num_sample, vocab]
+        logits = self.model.compute_logits(sampled).cpu()  # [num_logit_rows, vocab]
         states = [self.requests[r] for r in sample_ids]
+        drafts = [plan.spec_token_ids.get(r, []) for r in sample_ids]
         if plan.grammar_bitmask is not None:
-            apply_grammar_bitmask(logits, sample_ids, plan.grammar_bitmask)
-        rows = [self._sampling_row(s) for s in states]
+            row_ids = [r for r, d in zip(sample_ids, drafts, strict=True) for _ in d + [0]]
+            apply_grammar_bitmask(logits, row_ids, plan.grammar_bitmask)
+        rows = [
+            self._sampling_row(s, d[:j])
+            for s, d in zip(states, drafts, strict=True)
+            for j in range(len(d) + 1)
+        ]
         token_ids, logprobs = sample(logits, rows, self.history)
         keeps_tokens = self.stage.size == 1  # else they come back in the next plan
-        for request_id, state, token_id, lp in zip(
-            sample_ids, states, token_ids, logprobs, strict=True
-        ):
+        row = 0
+        for request_id, state, draft in zip(sample_ids, states, drafts, strict=True):
+            num_kept = 0
+            while num_kept < len(draft) and token_ids[row + num_kept] == draft[num_kept]:
+                num_kept += 1
+            new_token_ids = token_ids[row : row + num_kept + 1]
+            lp = logprobs[row]
+            row += len(draft) + 1
             if keeps_tokens:
-                state.token_ids.append(token_id)
-                state.output_token_ids.append(token_id)
-                if state.history_slot >= 0:
-                    self.history.append(state.history_slot, token_id)
-            result.sampled_token_ids[request_id] = token_id
+                for token_id in new_token_ids:
+                    state.token_ids.append(token_id)
+                    state.output_token_ids.append(token_id)
+                    if state.history_slot >= 0:
+                        self.history.append(state.history_slot, token_id)
+            result.sampled_token_ids[request_id] = new_token_ids[0]
+            if draft:
+                result.accepted_token_ids[request_id] = new_token_ids
             if lp is not None:
                 result.logprobs[request_id] = lp
 
@@ -514,10 +544,11 @@ class ModelRunner(RunnerUtilities):
         for (request_id, _, _), vector in zip(rows, finish(pooled, normalize), strict=True):
             result.pooled[request_id] = vector
 
-    def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
+    def _sampling_row(self, state: CachedRequestState, drafts: list[int]) -> SamplingRow:
+        """The request's row, at the position after `drafts` (accepted, if it is kept)."""
         return SamplingRow(
             params=state.params,
-            output_token_ids=state.output_token_ids,
+            output_token_ids=state.output_token_ids + drafts if drafts else state.output_token_ids,
             eos_token_ids=self.eos_token_ids,
             history_slot=state.history_slot,
         )
