@@ -553,16 +553,15 @@ def has_int8_vnni() -> bool:
 
 def linear_int8(
     x: torch.Tensor,  # [rows, in] bfloat16 or float32
-    packed: torch.Tensor,  # [tiles, in4 / 4, 48, 4] int8 (kernels/linear_int8.pack_int8)
-    wsum: torch.Tensor,  # [tiles * 48] int32
+    packed: torch.Tensor,  # [tiles, in4 / 4, 48, 4] uint8 (kernels/linear_int8.pack_int8)
     wscale: torch.Tensor,  # [tiles * 48] float32
     outs: int,
     bias: torch.Tensor | None = None,  # [out]
     int32_out: bool = False,
 ) -> torch.Tensor:
     """Launcher: x W^T (+ b) in dynamic W8A8 (each row of x quantized to int8 on
-    the fly, int32 sums, scaled per row and per channel) in x's dtype; with
-    int32_out the exact int32 sums. The compiled op checks shapes, dtypes and
-    layout."""
+    the fly per group of 64 inputs, int32 sums, scaled per group and per
+    channel) in x's dtype; with int32_out the exact int32 sums, unscaled. The
+    compiled op checks shapes, dtypes and layout."""
     ops = _required_ops()
-    return _run(ops, "linear_int8", x, packed, wsum, wscale, outs, bias, int32_out)
+    return _run(ops, "linear_int8", x, packed, wscale, outs, bias, int32_out)

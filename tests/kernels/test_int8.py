@@ -9,8 +9,8 @@ from pagoda.kernels.linear import Linear
 from pagoda.kernels.linear_int8 import (
     int8_available,
     pack_int8,
+    quantize_int8_activations,
     quantize_int8_per_channel,
-    quantize_int8_per_token,
     reference_int8_sums,
     reference_linear_int8,
 )
@@ -75,9 +75,11 @@ def test_quantization_round_trips() -> None:
     q, scale = quantize_int8_per_channel(w)
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     assert float(((q.float() * scale[:, None]) - w).abs().max()) <= float(scale.max()) / 2 + 1e-6
-    qx, sx = quantize_int8_per_token(x)
-    assert float(((qx.float() * sx[:, None]) - x).abs().max()) <= float(sx.max()) / 2 + 1e-6
-    zeros, s0 = quantize_int8_per_token(torch.zeros(2, 8))
+    qx, sx = quantize_int8_activations(x, group=32)  # 3 groups of 32 inputs a row
+    assert sx.shape == (4, 3)
+    restored = qx.float().view(4, 3, 32) * sx[:, :, None]
+    assert float((restored.view(4, 96) - x).abs().max()) <= float(sx.max()) / 2 + 1e-6
+    zeros, s0 = quantize_int8_activations(torch.zeros(2, 8))
     assert not zeros.any() and not s0.any()
 
 
