@@ -207,6 +207,7 @@ class Transcriber:
         self.utterance: Utterance | None = None
         self.committed_task: asyncio.Task[None] | None = None  # the last committed one's
         self.previous_item_id: str | None = None
+        self.just_committed = False  # no audio since the last utterance ended
 
     def append(self, audio: object, decode: bool) -> None:
         """input_audio_buffer.append; `decode`: the model is checked, decoding may run."""
@@ -223,20 +224,26 @@ class Transcriber:
                 "audio_buffer_full",
             )
         utterance.append(samples)
+        self.just_committed = False
         if decode:
             self.start()
 
     async def commit(self, final: object) -> None:
         """input_audio_buffer.commit: `final` true (or absent, with audio buffered)
-        ends the utterance; otherwise decoding starts."""
+        ends the utterance; otherwise decoding starts. A final commit with no
+        audio since an utterance ended ends nothing (a client that sent
+        OpenAI's commit, then vLLM's final one, gets one done)."""
         if final is not None and not isinstance(final, bool):
             raise EventError("final must be true or false", "invalid_event")
+        if final and self.just_committed:
+            return
         utterance = self._current()
         self.start()
         if final or (final is None and utterance.num_samples):
             utterance.finish()
             self.utterance = None
             self.committed_task = utterance.task
+            self.just_committed = True
             ids = {"previous_item_id": self.previous_item_id, "item_id": utterance.item_id}
             await self.send("input_audio_buffer.committed", ids)
             self.previous_item_id = utterance.item_id
@@ -246,6 +253,7 @@ class Transcriber:
         if self.utterance is not None and self.utterance.task is not None:
             self.utterance.task.cancel()
         self.utterance = None
+        self.just_committed = False
         await self.send("input_audio_buffer.cleared", {})
 
     def start(self) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from starlette.requests import HTTPConnection
 
-from pagoda.frontend.api.realtime_transcription import Utterance
+from pagoda.frontend.api.realtime_transcription import Transcriber, Utterance
 from pagoda.frontend.api.security import request_token
 from pagoda.frontend.api.serving_realtime import choose_subprotocol
 from pagoda.frontend.audio import SAMPLE_RATE, split_audio
@@ -134,3 +134,37 @@ def test_utterance_windows_are_the_http_routes_windows() -> None:
     assert done["usage"]["prompt_tokens"] == 3 * len(expected)
     deltas = "".join(fields["delta"] for kind, fields in events if kind == "delta")
     assert deltas == done["text"]
+
+
+def test_transcriber_commits() -> None:
+    """Utterances end in order, each with one done; a final commit right after
+    OpenAI's commit ends nothing more; vLLM's first commit only starts."""
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    async def send(kind: str, fields: dict[str, Any]) -> None:
+        events.append((kind, fields))
+
+    async def run() -> None:
+        tasks: list[asyncio.Task[None]] = []
+
+        def spawn(work: Any) -> asyncio.Task[None]:
+            tasks.append(asyncio.create_task(work))
+            return tasks[-1]
+
+        transcriber = Transcriber(FakeTranscriber(), "s", send, spawn, 10**6)  # type: ignore[arg-type]
+        pcm = base64.b64encode(np.zeros(1600, dtype="<i2").tobytes()).decode()
+        await transcriber.commit(False)  # vLLM's start
+        transcriber.append(pcm, decode=True)
+        await transcriber.commit(None)  # OpenAI's commit: the end
+        await transcriber.commit(True)  # vLLM's final right after: nothing more
+        transcriber.append(pcm, decode=True)
+        transcriber.append(pcm, decode=True)
+        await transcriber.commit(True)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("input_audio_buffer.committed") == 2
+    dones = [fields for kind, fields in events if kind == "transcription.done"]
+    assert [done["text"] for done in dones] == ["w1600 end", "w3200 end"]
+    assert kinds.count("conversation.item.input_audio_transcription.completed") == 2
