@@ -25,7 +25,7 @@ from pagoda.engine_core.core.kv_connector import (
     prompt_digest,
     remote_prefill_params,
 )
-from pagoda.engine_core.core.kv_offload import HostTier, offloading_bytes
+from pagoda.engine_core.core.kv_offload import HostTier, offloading_bytes, offloading_disk
 from pagoda.engine_core.core.lora_manager import LoRAManager, WorkerLoRA
 from pagoda.engine_core.core.plan import GrammarBitmask, SchedulePlan, StepResult
 from pagoda.engine_core.core.request import Request
@@ -392,9 +392,20 @@ class EngineCore(EngineUtilities, TrainingControls):
         slots = cpu_bytes // per_block
         if slots < 1:
             raise ValueError(f"cpu_bytes {cpu_bytes} holds no KV block ({per_block} bytes each)")
-        self.executor.collective_rpc("allocate_host_kv", (slots,))
-        logger.info("host KV tier: %d blocks (%.0f MiB)", slots, slots * per_block / 2**20)
-        return HostTier(slots)
+        disk = offloading_disk(self.config.kv_transfer_config)
+        disk_dir, disk_slots = (disk[0], disk[1] // per_block) if disk else (None, 0)
+        if disk and disk_slots < 1:
+            raise ValueError(f"disk_bytes {disk[1]} holds no KV block ({per_block} bytes each)")
+        self.executor.collective_rpc("allocate_host_kv", (slots, disk_slots, disk_dir))
+        logger.info(
+            "host KV tier: %d blocks in memory (%.0f MiB)%s",
+            slots,
+            slots * per_block / 2**20,
+            f", {disk_slots} in {disk_dir} ({disk_slots * per_block / 2**20:.0f} MiB)"
+            if disk_slots
+            else "",
+        )
+        return HostTier(slots + disk_slots)
 
     def _start_peer(self) -> PeerConnector | None:
         """The PeerConnector of --kv-transfer-config (None: another or none)."""

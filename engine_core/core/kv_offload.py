@@ -9,6 +9,10 @@ step that reads them) instead of being computed again. The tier is an LRU
 of `num_slots` slots keyed by the blocks' chained prefix hashes, so a hit
 is exactly the content the same tokens (and adapter, and salt) produced.
 
+With `disk_dir` and `disk_bytes` the tier has more slots than memory holds:
+those past the memory ones live in a file in that directory
+(worker/host_tier.py), one LRU over all of them.
+
 The copies travel in the plan (`SchedulePlan.kv_saves`, `kv_loads`) and a
 worker runs them before the forward pass, saves first, in plan order: a
 slot saved in one plan and loaded in a later one reads what was saved; a
@@ -97,3 +101,18 @@ def offloading_bytes(kv_transfer_config: str | None) -> int | None:
             "the OffloadingConnector needs kv_connector_extra_config.cpu_bytes, a positive integer"
         )
     return cpu_bytes
+
+
+def offloading_disk(kv_transfer_config: str | None) -> tuple[str, int] | None:
+    """The tier's disk level (`disk_dir`, `disk_bytes`), or None without one."""
+    config = parse_kv_transfer_config(kv_transfer_config)
+    if config is None or config.kv_connector != "OffloadingConnector":
+        return None
+    directory, size = config.extra.get("disk_dir"), config.extra.get("disk_bytes")
+    if directory is None and size is None:
+        return None
+    if not isinstance(directory, str) or not directory:
+        raise ValueError("kv_connector_extra_config.disk_bytes needs disk_dir, a directory")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError("kv_connector_extra_config.disk_dir needs disk_bytes, a positive integer")
+    return directory, size

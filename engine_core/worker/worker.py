@@ -20,6 +20,7 @@ from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.encoder_runner import EncoderRunner
+from pagoda.engine_core.worker.host_tier import TieredSlots, disk_slots
 from pagoda.engine_core.worker.kv_peer import KVPuller, KVServer
 from pagoda.engine_core.worker.model_runner import ModelRunner, resolve_device
 from pagoda.engine_core.worker.parallel import (
@@ -182,9 +183,24 @@ class Worker:
         """Bytes one KV block takes on this rank (its layers, its KV heads)."""
         return self._decoder("the host KV tier").kv_bytes_per_block()
 
-    def allocate_host_kv(self, num_slots: int) -> None:
-        """The host-memory tier's blocks (--kv-transfer-config OffloadingConnector)."""
-        self._decoder("the host KV tier").allocate_host_kv(num_slots)
+    def allocate_host_kv(
+        self, num_slots: int, num_disk_slots: int = 0, disk_dir: str | None = None
+    ) -> None:
+        """The host tier's blocks (--kv-transfer-config OffloadingConnector):
+        `num_slots` in memory, then `num_disk_slots` in a file under `disk_dir`
+        (worker/host_tier.py)."""
+        runner = self._decoder("the host KV tier")
+        runner.allocate_host_kv(num_slots)
+        if not num_disk_slots:
+            return
+        assert disk_dir is not None
+        layouts = [(tuple(t.shape[1:]), t.dtype) for k, v in runner.kv_caches for t in (k, v)]
+        files = disk_slots(disk_dir, num_disk_slots, layouts, self.rank)
+        tiered: Any = [
+            (TieredSlots(hk, files[2 * i]), TieredSlots(hv, files[2 * i + 1]))
+            for i, (hk, hv) in enumerate(runner.host_kv)
+        ]
+        runner.host_kv = tiered
 
     def start_kv_server(
         self, host: str, port: int, advertise_host: str, curve_dir: str | None

@@ -11,7 +11,7 @@ import pytest
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.engine import EngineCore
-from pagoda.engine_core.core.kv_offload import HostTier, offloading_bytes
+from pagoda.engine_core.core.kv_offload import HostTier, offloading_bytes, offloading_disk
 from pagoda.engine_core.model_config import load_model_config
 from pagoda.protocol.messages import AddRequest
 from pagoda.protocol.sampling_params import SamplingParams
@@ -42,21 +42,32 @@ def test_the_config_is_checked() -> None:
         ('{"kv_connector": "NixlConnector"}', "not available"),
         ('{"kv_connector": "OffloadingConnector", "kv_role": "both"}', "kv_role"),
         ('{"kv_connector": "OffloadingConnector"}', "cpu_bytes"),
+        (
+            '{"kv_connector": "OffloadingConnector", '
+            '"kv_connector_extra_config": {"cpu_bytes": 9, "disk_bytes": 9}}',
+            "disk_dir",
+        ),
     ]:
         with pytest.raises(ValueError, match=why):
             offloading_bytes(bad)
+            offloading_disk(bad)
 
 
-def engine_with(model: Path, host_blocks: int) -> EngineCore:
+def engine_with(
+    model: Path, host_blocks: int, disk_blocks: int = 0, disk_dir: Path | None = None
+) -> EngineCore:
     mc = load_model_config(str(model))
     block_bytes = 2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * 4
     extra = {}
     if host_blocks:
+        connector: dict[str, object] = {"cpu_bytes": host_blocks * block_bytes}
+        if disk_blocks:
+            connector.update(disk_dir=str(disk_dir), disk_bytes=disk_blocks * block_bytes)
         extra["kv_transfer_config"] = json.dumps(
             {
                 "kv_connector": "OffloadingConnector",
                 "kv_role": "kv_both",
-                "kv_connector_extra_config": {"cpu_bytes": host_blocks * block_bytes},
+                "kv_connector_extra_config": connector,
             }
         )
     return EngineCore(
@@ -70,13 +81,15 @@ def engine_with(model: Path, host_blocks: int) -> EngineCore:
     )
 
 
-@pytest.mark.parametrize("host_blocks", [0, 32])
+@pytest.mark.parametrize(("host_blocks", "disk_blocks"), [(0, 0), (32, 0), (2, 30)])
 def test_an_evicted_prompt_comes_back_from_host_memory(
-    tiny_models: dict[str, Path], host_blocks: int
+    tiny_models: dict[str, Path], host_blocks: int, disk_blocks: int, tmp_path: Path
 ) -> None:
+    """Without a tier, from memory slots, and mostly from the disk level's
+    (two memory slots, thirty in a file)."""
     prompts = random_prompts(41, 4, 1000, 64, 64)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    engine = engine_with(tiny_models["llama"], host_blocks)
+    engine = engine_with(tiny_models["llama"], host_blocks, disk_blocks, tmp_path / "kv")
     try:
 
         def run(request_id: str, prompt: list[int]) -> tuple[list[int], int]:
@@ -93,6 +106,10 @@ def test_an_evicted_prompt_comes_back_from_host_memory(
         if host_blocks:
             assert cached == 48  # 3 of its 4 blocks (the last token is always computed)
             assert bm.host_tier is not None and bm.host_tier.num_loaded >= 3
+            assert bm.host_tier.num_slots == host_blocks + disk_blocks
+            if disk_blocks:
+                assert max(bm.host_tier.slots.values()) >= host_blocks
+                assert list((tmp_path / "kv").iterdir()) == []  # the file is mapped, not named
         else:
             assert cached == 0 and bm.host_tier is None
     finally:
