@@ -12,6 +12,7 @@ state. Prints a table and, with --json, writes the figures.
     python scripts/bench_throughput.py                 # W1, both systems
     python scripts/bench_throughput.py --no-hf         # Pagoda only
     python scripts/bench_throughput.py --no-hf --decode-step --num-prompts 1
+    python scripts/bench_throughput.py --no-hf --quantization int8
 
 --decode-step also times the same prompts' prefill and first token alone (on
 fresh prompts of the same shape, so that no prefix is cached) and reports the
@@ -38,6 +39,7 @@ def bench_pagoda(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     pipeline_depth: int | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     from pagoda import LLM, SamplingParams
 
@@ -49,6 +51,7 @@ def bench_pagoda(
         max_num_batched_tokens=4096,
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        quantization=quantization,
     )
     if pipeline_depth is not None:  # plans in flight (default: one per stage)
         llm.client.engine.scheduler.pipeline_depth = pipeline_depth
@@ -63,7 +66,7 @@ def bench_pagoda(
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
-        "system": "pagoda",
+        "system": "pagoda" if quantization is None else f"pagoda-{quantization}",
         "elapsed_s": elapsed,
         "output_tokens": num_out,
         "output_tok_s": num_out / elapsed,
@@ -127,6 +130,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     parser.add_argument(
+        "--quantization", "-q", default=None, choices=["gguf", "int8"], help="Pagoda's"
+    )
+    parser.add_argument(
         "--pipeline-depth",
         type=int,
         default=None,
@@ -148,6 +154,7 @@ def main() -> None:
             args.tensor_parallel_size,
             args.pipeline_parallel_size,
             args.pipeline_depth,
+            args.quantization,
         )
     ]
     if args.hf:
