@@ -19,6 +19,7 @@ from pagoda.protocol.messages import AddRequest
 from pagoda.protocol.sampling_params import SamplingParams
 from tests.conftest import TINY_VOCAB_SIZE
 from tests.engine_core.helpers import NUM_THREADS, greedy_params, run_to_completion
+from tests.engine_core.test_sleep import check_sleep_cycle
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="no AVX512-VNNI kernel here")
 
@@ -188,3 +189,20 @@ def test_compressed_tensors_refuses_static_activation_scales(
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="dynamic, per token"):
         _engine(path, dtype="float32")
+
+
+def test_sleep_restores_the_int8_weights(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Level 1 parks the packed int8 tensors with the rest and puts them back;
+    level 2 quantizes them again at reload: the same outputs after each."""
+    config = EngineConfig(
+        model=str(tiny_models["llama"]),
+        dtype="bfloat16",
+        quantization="int8",
+        kv_cache_memory_bytes=1 << 20,
+        num_threads=NUM_THREADS,
+        sleep_offload_dir=str(tmp_path),
+    )
+    engine = EngineCore(config)
+    layer = engine.executor.worker.runner.model.layers[0]  # type: ignore[attr-defined]
+    assert layer.qkv_proj.int8 is not None and layer.down_proj.int8 is not None
+    check_sleep_cycle(engine, tmp_path)
