@@ -1,6 +1,6 @@
 """The int8 linear (`--quantization int8`) against the bfloat16 one.
 
-    python scripts/bench_int8_linear.py [--layers 30] [--rounds 5]
+    python scripts/bench_int8_linear.py [--layers 30] [--rounds 5] [--threads N]
 
 The default model's projections (qkv 576->960, o 576->576, gate|up
 576->3072, down 1536->576), each layer's weights its own so that they come
@@ -73,7 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     bf16: list[Linear] = []
     int8: list[Int8Weight] = []
