@@ -58,6 +58,16 @@ from pagoda.protocol.messages import (
 logger = logging.getLogger(__name__)
 
 
+# Speculative decoding on the CPU: no drafts past this many tokens in a step
+# (decoding requests and drafts). The default model's linears cost about the
+# same up to a few dozen rows (the weights are read once a step, ~10 ms,
+# against ~0.5 ms of arithmetic a row), so drafts there are nearly free; in
+# larger steps every row costs its arithmetic and rejected drafts are lost
+# work (c=64 on random prompts lost ~9% of output with drafts at every
+# step, docs/benchmarks.md).
+CPU_MAX_STEP_TOKENS_WITH_DRAFTS = 32
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """Facts found while starting the engine, passed on (never written into config)."""
@@ -112,6 +122,9 @@ class EngineCore(EngineUtilities, TrainingControls):
             sends_token_ids=config.pipeline_parallel_size > 1,
             pipeline_depth=config.pipeline_parallel_size,
             speculative=self._speculative_config(),
+            max_step_tokens_with_drafts=(
+                CPU_MAX_STEP_TOKENS_WITH_DRAFTS if device_type(config) == "cpu" else None
+            ),
         )
         self.peer = self._start_peer()
         self.scheduler.connector = self.peer

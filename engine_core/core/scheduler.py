@@ -46,12 +46,16 @@ class Scheduler:
         sends_token_ids: bool = False,
         pipeline_depth: int = 1,
         speculative: SpeculativeConfig | None = None,
+        max_step_tokens_with_drafts: int | None = None,
     ) -> None:
         """`sends_token_ids`: the workers keep no sampled tokens (pipeline
         parallelism); each plan brings them a request's tokens since the last.
         `pipeline_depth`: how many plans may be in flight at once.
         `speculative`: prompt-lookup drafts for decoding requests (not with
-        pipeline parallelism)."""
+        pipeline parallelism). `max_step_tokens_with_drafts`: drafts stop where
+        a step's decoding requests and drafts would pass this many tokens
+        (None: no cap): past the size where a step's cost grows with its
+        tokens, a rejected draft costs as much as a token kept."""
         self.block_manager = block_manager
         # With LoRA: a request runs only while its adapter holds a slot, so a
         # step never names more adapters than there are slots.
@@ -83,6 +87,7 @@ class Scheduler:
         self.proposer: NgramProposer | None = None
         if speculative is not None and pipeline_depth == 1 and not sends_token_ids:
             self.proposer = NgramProposer(speculative)
+        self.max_step_tokens_with_drafts = max_step_tokens_with_drafts
         self.num_spec_drafts = 0  # steps that verified drafts (request-steps)
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
@@ -127,6 +132,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         spec_token_ids: dict[str, list[int]] = {}
+        draft_budget = self._draft_budget()
         preempted_now = False
         in_flight = self.in_flight
         # With plans in flight, each takes an even share of the requests.
@@ -142,7 +148,8 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            draft = self._draft(request, budget) if num_new == 1 else []
+            draft = self._draft(request, min(budget, draft_budget + 1)) if num_new == 1 else []
+            draft_budget -= len(draft)
             num_new += len(draft)
             num_old_blocks = len(self.block_manager.get_block_ids(request.request_id))
             while not self.block_manager.allocate_slots(request, num_new):
@@ -383,6 +390,14 @@ class Scheduler:
         return stats
 
     # -------------------------------------------------------------- internals
+
+    def _draft_budget(self) -> int:
+        """Draft tokens this step may carry in all."""
+        cap = self.max_step_tokens_with_drafts
+        if self.proposer is None or cap is None:
+            return 1 << 31
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return max(cap - decoding, 0)
 
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Prompt-lookup drafts for a decoding request ([] where it runs without).

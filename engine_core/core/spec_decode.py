@@ -8,10 +8,13 @@ tokens that followed it there (vLLM's NgramProposer semantics). The target
 model computes the last token and the drafts in one pass and keeps the
 drafts it would have produced itself (worker/model_runner.py).
 
-A request whose drafts keep being rejected stops paying for them: after
-`MISSES_BEFORE_PAUSE` steps in a row with drafts and none accepted, it gets
-no drafts for a while, a pause that doubles each time up to `MAX_PAUSE`
-steps and resets when a draft is accepted.
+Speculation turns itself down where it does not pay. Each request keeps a
+running mean of the drafts it had accepted per step and is proposed at most
+one more than that (rejected drafts cost a full token of compute each,
+which a large batch feels). After `MISSES_BEFORE_PAUSE` steps in a row with
+drafts and none accepted it gets no drafts for a while, a pause that
+doubles each time up to `MAX_PAUSE` steps and resets when a draft is
+accepted.
 """
 
 from __future__ import annotations
@@ -130,29 +133,46 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        # request id -> (steps in a row with drafts and none accepted, next pause, steps left)
-        self._state: dict[str, list[int]] = {}
+        self._state: dict[str, _DraftState] = {}
 
     def propose(self, request_id: str, token_ids: list[int], max_drafts: int) -> list[int]:
         c = self.config
-        state = self._state.get(request_id)
-        if state is not None and state[2] > 0:
-            state[2] -= 1
-            return []
         k = min(c.num_speculative_tokens, max_drafts)
+        state = self._state.get(request_id)
+        if state is not None:
+            if state.pause_left > 0:
+                state.pause_left -= 1
+                return []
+            k = min(k, int(state.mean_accepted + 0.5) + 1)
         return ngram_draft(token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """How a step's drafts fared."""
-        state = self._state.setdefault(request_id, [0, FIRST_PAUSE, 0])
+        state = self._state.get(request_id)
+        if state is None:
+            state = self._state[request_id] = _DraftState(self.config.num_speculative_tokens)
+        state.mean_accepted = 0.5 * state.mean_accepted + 0.5 * num_accepted
         if num_accepted > 0:
-            state[0], state[1] = 0, FIRST_PAUSE
+            state.misses, state.next_pause = 0, FIRST_PAUSE
             return
-        state[0] += 1
-        if state[0] >= MISSES_BEFORE_PAUSE:
-            state[0] = 0
-            state[2] = state[1]
-            state[1] = min(2 * state[1], MAX_PAUSE)
+        state.misses += 1
+        if state.misses >= MISSES_BEFORE_PAUSE:
+            state.misses = 0
+            state.pause_left = state.next_pause
+            state.next_pause = min(2 * state.next_pause, MAX_PAUSE)
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
+
+
+class _DraftState:
+    """How one request's drafts have fared."""
+
+    __slots__ = ("mean_accepted", "misses", "next_pause", "pause_left")
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        # Drafts accepted per step, a running mean (halved weight per step).
+        self.mean_accepted = float(num_speculative_tokens)
+        self.misses = 0  # steps in a row with drafts and none accepted
+        self.next_pause = FIRST_PAUSE
+        self.pause_left = 0  # steps still without drafts

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pagoda.engine_core.config import EngineConfig
-from pagoda.engine_core.core.engine import EngineCore
+from pagoda.engine_core.core.engine import CPU_MAX_STEP_TOKENS_WITH_DRAFTS, EngineCore
 from pagoda.engine_core.core.spec_decode import (
     MISSES_BEFORE_PAUSE,
     NgramProposer,
@@ -98,6 +98,10 @@ def test_proposer_pauses_after_rejections() -> None:
     proposer.record("r", 3, 1)  # an acceptance resets the count
     for _ in range(MISSES_BEFORE_PAUSE - 1):
         proposer.record("r", 3, 0)
+    # Few accepted lately: one draft more than the running mean.
+    assert proposer.propose("r", tokens, 8) == [3]
+    for _ in range(4):
+        proposer.record("r", 3, 3)
     assert proposer.propose("r", tokens, 8) == [3, 1, 2]
 
 
@@ -219,6 +223,24 @@ def test_greedy_output_equals_no_speculation(plain: EngineCore, spec: EngineCore
     for got, want in zip(run.records["r1"].logprobs, expected.records["r1"].logprobs, strict=True):
         assert got.token_ids == want.token_ids
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_drafts_stop_where_a_step_would_pass_the_cap(plain: EngineCore, spec: EngineCore) -> None:
+    """On the CPU a step's decoding requests and drafts stay within
+    CPU_MAX_STEP_TOKENS_WITH_DRAFTS; 40 decoding requests get no drafts at all."""
+    assert spec.scheduler.max_step_tokens_with_drafts == CPU_MAX_STEP_TOKENS_WITH_DRAFTS
+    prompts = repetitive_prompts(9, 40)
+    params = [greedy_params(12) for _ in prompts]
+    run = outputs(spec, prompts, params)
+    assert tokens_of(run) == tokens_of(outputs(plain, prompts, params))
+    for plan in run.plans:
+        decoding = sum(1 for r, n in plan.num_scheduled_tokens.items() if n == 1)
+        decoding += len(plan.spec_token_ids)
+        drafts = sum(len(d) for d in plan.spec_token_ids.values())
+        assert not drafts or decoding + drafts <= CPU_MAX_STEP_TOKENS_WITH_DRAFTS
+    assert not any(len(p.num_scheduled_tokens) == 40 and p.spec_token_ids for p in run.plans)
+    few = outputs(spec, prompts[:4], params[:4])
+    assert any(p.spec_token_ids for p in few.plans)
 
 
 def test_prefix_cache_after_speculation_holds_only_real_tokens(
@@ -348,11 +370,19 @@ def test_sampled_output_follows_the_target_distribution(
     p3 = dict(zip(pairs, _next_probs(plain, [prompt + [a, b] for a, b in pairs]), strict=True))
     expected = {(a, b, c): p1[a] * p2[a][b] * p3[(a, b)][c] for a, b in pairs for c in p3[(a, b)]}
     num = 3000
+    # Drafts at every step, whatever the batch (the CPU's cap would stop them).
     params = [
         SamplingParams(temperature=TEMPERATURE, top_k=3, max_tokens=3, seed=i) for i in range(num)
     ]
+    scheduler = spec.scheduler
+    cap, scheduler.max_step_tokens_with_drafts = scheduler.max_step_tokens_with_drafts, None
     drafts_before, accepted_before = spec_counts(spec)
-    run = outputs(spec, [prompt] * num, params)
+    try:
+        run = outputs(spec, [prompt] * num, params)
+        # Seeded requests are reproducible: the same seeds give the same tokens.
+        again = outputs(spec, [prompt] * 20, params[:20])
+    finally:
+        scheduler.max_step_tokens_with_drafts = cap
     drafts, accepted = spec_counts(spec)
     num_drafts, num_accepted = drafts - drafts_before, accepted - accepted_before
     assert num_accepted > num // 10, "drafts must be kept often"
@@ -371,6 +401,4 @@ def test_sampled_output_follows_the_target_distribution(
     dof = len(cells) - 1
     p_value = torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2.0)).item()
     assert p_value > 1e-3, (chi2, dof, p_value)
-    # Seeded requests are reproducible: the same seeds give the same tokens.
-    again = outputs(spec, [prompt] * 20, params[:20])
     assert all(again.records[k].token_ids == run.records[k].token_ids for k in again.records)
