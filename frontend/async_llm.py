@@ -116,14 +116,16 @@ class AsyncLLM:
         log_stats: bool = False,
         served_model_name: str | None = None,
         skip_tokenizer_init: bool = False,
+        elastic: bool = False,
     ) -> AsyncLLM:
         """Attach to a running engine core (`curve_dir`: its CURVE keys, for tcp);
-        `skip_tokenizer_init`: load no tokenizer (token ids in and out only)."""
+        `skip_tokenizer_init`: load no tokenizer (token ids in and out only);
+        `elastic`: engine cores come and go while serving (frontend/elastic.py)."""
         # Several comma-separated addresses: data-parallel engine cores.
         addresses = [a.strip() for a in address.split(",") if a.strip()]
         client: AsyncMPClient | DPClient
-        if len(addresses) > 1:
-            client = DPClient(addresses, curve_dir=curve_dir)
+        if len(addresses) > 1 or elastic:
+            client = DPClient(addresses, curve_dir=curve_dir, elastic=elastic)
         else:
             client = AsyncMPClient(address, curve_dir=curve_dir)
         ready = await client.start(timeout=timeout)

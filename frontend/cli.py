@@ -112,6 +112,13 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "(also when VLLM_SERVER_DEV_MODE=1)",
     )
     g.add_argument(
+        "--elastic-ep-supervisor",
+        default=None,
+        metavar="ADDR",
+        help="set by `pagoda serve --enable-elastic-ep`: its supervisor socket "
+        "(POST /scale_elastic_ep)",
+    )
+    g.add_argument(
         "--admin-api-key",
         default=None,
         help="key for /collective_rpc, /sleep, /wake_up, profiling, cache reset (not --api-key)",
@@ -296,6 +303,7 @@ async def serve(ns: argparse.Namespace) -> int:
             idle_timeout=ns.realtime_idle_timeout,
             max_messages_per_second=ns.realtime_max_messages_per_second,
         ),
+        elastic_supervisor=ns.elastic_ep_supervisor,
     )
     if ns.enable_admin_api and not ns.admin_api_key:
         log.warning("--enable-admin-api without --admin-api-key: /collective_rpc is open")
@@ -309,6 +317,7 @@ async def serve(ns: argparse.Namespace) -> int:
             log_stats=True,
             served_model_name=ns.served_model_name,
             skip_tokenizer_init=ns.tokens_only,
+            elastic=ns.elastic_ep_supervisor is not None,
         )
     except EngineDeadError as e:
         log.error("%s", e)

@@ -10,6 +10,11 @@ answers fold as protocol/control.py says.
 
 The engines must serve the same model; the first one's Ready describes
 them, with the KV blocks summed.
+
+Under `pagoda serve --enable-elastic-ep` the set changes while serving
+(frontend/elastic.py): `add_engines` attaches new engine cores at the end,
+`retire` stops routing to the last ones, waits for their requests to end
+and lets them go. Indices of the engines that stay never change.
 """
 
 from __future__ import annotations
@@ -28,12 +33,19 @@ from pagoda.protocol.messages import AddRequest, Ready, RequestDelta, SchedulerS
 class DPClient:
     """The AsyncMPClient interface over several engine cores."""
 
-    def __init__(self, addresses: list[str], curve_dir: str | None = None) -> None:
-        if len(addresses) < 2:
+    def __init__(
+        self, addresses: list[str], curve_dir: str | None = None, elastic: bool = False
+    ) -> None:
+        """`elastic`: engines come and go while serving (one address is enough)."""
+        if len(addresses) < (1 if elastic else 2):
             raise ValueError("data parallel needs at least two engine addresses")
         self.address = ",".join(addresses)
+        self.curve_dir = curve_dir
         self.clients = [AsyncMPClient(a, curve_dir=curve_dir) for a in addresses]
+        # New requests go to the first `routable` engines (the others drain).
+        self.routable = len(addresses)
         self.ready: Ready | None = None
+        self._readies: list[Ready] = []
         self._owner: dict[str, int] = {}  # request id -> engine index
         self._sent_since_stats = [0] * len(addresses)
         self._stats_seen: list[SchedulerStats | None] = [None] * len(addresses)
@@ -43,19 +55,57 @@ class DPClient:
         readies = await asyncio.gather(*(c.start(timeout) for c in self.clients))
         first = readies[0]
         for other, client in zip(readies[1:], self.clients[1:], strict=True):
-            if (other.model_name, other.max_model_len, other.vocab_size) != (
-                first.model_name,
-                first.max_model_len,
-                first.vocab_size,
-            ):
-                raise EngineDeadError(
-                    f"the engine core at {client.address} serves {other.model_name} "
-                    f"(max_model_len {other.max_model_len}), not {first.model_name} "
-                    f"(max_model_len {first.max_model_len})"
-                )
-        blocks = sum(r.num_kv_blocks for r in readies)
-        self.ready = msgspec.structs.replace(first, num_kv_blocks=blocks)
+            _check_same(first, other, client.address)
+        self._readies = list(readies)
+        self.ready = msgspec.structs.replace(
+            first, num_kv_blocks=sum(r.num_kv_blocks for r in readies)
+        )
         return self.ready
+
+    async def add_engines(self, addresses: list[str], timeout: float) -> None:
+        """Attach more engine cores (they must serve the same model); on any
+        failure none is added."""
+        assert self.ready is not None
+        clients = [AsyncMPClient(a, curve_dir=self.curve_dir) for a in addresses]
+        try:
+            readies = await asyncio.gather(*(c.start(timeout) for c in clients))
+            for ready, client in zip(readies, clients, strict=True):
+                _check_same(self.ready, ready, client.address)
+        except BaseException:
+            await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+            raise
+        self.clients += clients
+        self._readies += readies
+        n = len(clients)
+        self._sent_since_stats += [0] * n
+        self._stats_seen += [None] * n
+        self.num_routed += [0] * n
+        self.routable = len(self.clients)
+        self._sum_blocks()
+
+    async def retire(self, keep: int, drain_timeout: float) -> bool:
+        """Route nothing more to the engines past the first `keep`; once their
+        requests have ended, detach them. False (and every engine routable
+        again) if requests are still there after `drain_timeout` seconds."""
+        self.routable = keep
+        deadline = asyncio.get_running_loop().time() + drain_timeout
+        while any(index >= keep for index in self._owner.values()):
+            if asyncio.get_running_loop().time() >= deadline:
+                self.routable = len(self.clients)
+                return False
+            await asyncio.sleep(0.05)
+        retired = self.clients[keep:]
+        del self.clients[keep:], self._readies[keep:], self._sent_since_stats[keep:]
+        del self._stats_seen[keep:], self.num_routed[keep:]
+        self._sum_blocks()
+        await asyncio.gather(*(c.close() for c in retired), return_exceptions=True)
+        return True
+
+    def _sum_blocks(self) -> None:
+        assert self.ready is not None
+        blocks = sum(r.num_kv_blocks for r in self._readies)
+        self.ready = msgspec.structs.replace(self.ready, num_kv_blocks=blocks)
+        self.address = ",".join(c.address for c in self.clients)
 
     # ------------------------------------------------------------ state
 
@@ -106,7 +156,7 @@ class DPClient:
     async def add_request(
         self, request: AddRequest, handler: Callable[[RequestDelta | None], None]
     ) -> None:
-        live = [i for i, c in enumerate(self.clients) if c.dead is None]
+        live = [i for i, c in enumerate(self.clients[: self.routable]) if c.dead is None]
         if not live:
             raise EngineDeadError(self.dead or "no engine core is available")
         index = min(live, key=self.load)
@@ -184,3 +234,16 @@ class DPClient:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
+
+
+def _check_same(first: Ready, other: Ready, address: str) -> None:
+    if (other.model_name, other.max_model_len, other.vocab_size) != (
+        first.model_name,
+        first.max_model_len,
+        first.vocab_size,
+    ):
+        raise EngineDeadError(
+            f"the engine core at {address} serves {other.model_name} "
+            f"(max_model_len {other.max_model_len}), not {first.model_name} "
+            f"(max_model_len {first.max_model_len})"
+        )

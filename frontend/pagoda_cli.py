@@ -68,6 +68,10 @@ def _serve(ns: argparse.Namespace) -> int:
         api_argv += ["--served-model-name", ns.served_model_name]
     if ns.curve_keys:
         api_argv += ["--curve-keys", ns.curve_keys]
+    supervisor: Supervisor | None = None
+    if ns.enable_elastic_ep:
+        supervisor = Supervisor(address, engine_flags, engines)
+        api_argv += ["--elastic-ep-supervisor", supervisor.address]
     api_env = dict(os.environ)
     metrics_dir = None
     if ns.api_server_count > 1:
@@ -91,6 +95,8 @@ def _serve(ns: argparse.Namespace) -> int:
     exit_code = 0
     try:
         while not stopping:
+            if supervisor is not None:
+                supervisor.serve_calls()
             for name, proc in engines + api_servers:
                 code = proc.poll()
                 if code is not None:
@@ -109,11 +115,89 @@ def _serve(ns: argparse.Namespace) -> int:
         # while the engine cores still serve them; then the engine cores.
         _stop(api_servers, ns.shutdown_timeout + 10)
         _stop(engines, 15)
+        if supervisor is not None:
+            supervisor.close()
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
         if runtime_dir is not None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
     return exit_code
+
+
+class Supervisor:
+    """`--enable-elastic-ep`: starts and stops data-parallel engine cores when the
+    API server asks (frontend/elastic.py), on a REP socket beside the engines'.
+
+    Engines started for a scale are pending until committed: one that dies
+    then fails that scale only; committed ones are watched like the rest.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        engine_flags: list[str],
+        engines: list[tuple[str, subprocess.Popen[bytes]]],
+    ) -> None:
+        import zmq
+
+        self.base = address
+        self.engine_flags = engine_flags
+        self.engines = engines  # the watched list, shared with _serve's loop
+        self.pending: dict[int, subprocess.Popen[bytes]] = {}
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.linger = 0
+        if address.startswith("ipc://"):
+            self.address = address + ".supervisor"
+            self._sock.bind(self.address)
+        else:  # tcp engines: the supervisor listens on loopback only
+            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"tcp://127.0.0.1:{port}"
+
+    def serve_calls(self) -> None:
+        import msgspec
+        import zmq
+
+        while self._sock.poll(0):
+            try:
+                call = msgspec.msgpack.decode(self._sock.recv())
+                reply = self._answer(call["op"], [int(r) for r in call.get("ranks", [])])
+            except Exception as e:  # noqa: BLE001 - every call gets an answer
+                reply = {"error": str(e) or repr(e)}
+            try:
+                self._sock.send(msgspec.msgpack.encode(reply))
+            except zmq.ZMQError:
+                pass
+
+    def _answer(self, op: str, ranks: list[int]) -> dict[str, object]:
+        if op == "start":
+            addresses = dp_addresses(self.base, max(ranks) + 1)
+            for rank in ranks:
+                argv = [sys.executable, "-m", "pagoda.engine_core.cli"]
+                argv += ["--address", addresses[rank], *self.engine_flags]
+                argv += ["--data-parallel-rank", str(rank)]
+                self.pending[rank] = subprocess.Popen(argv, preexec_fn=die_with_parent())
+            return {"addresses": [addresses[r] for r in ranks]}
+        if op == "status":
+            return {"alive": [r in self.pending and self.pending[r].poll() is None for r in ranks]}
+        if op == "commit":
+            for rank in ranks:
+                self.engines.append((f"engine-core {rank}", self.pending.pop(rank)))
+            return {"ok": True}
+        if op == "stop":
+            procs = [self.pending.pop(r) for r in ranks if r in self.pending]
+            for name, proc in list(self.engines):
+                if name in {f"engine-core {r}" for r in ranks}:
+                    self.engines.remove((name, proc))
+                    procs.append(proc)
+            _stop([("engine-core", p) for p in procs], 15)
+            return {"ok": True}
+        raise ValueError(f"unknown supervisor call {op!r}")
+
+    def close(self) -> None:
+        _stop([("engine-core", p) for p in self.pending.values()], 15)
+        self._sock.close(0)
+        self._ctx.term()
 
 
 def _how_it_ended(code: int) -> str:
@@ -179,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--curve-keys", default=None, metavar="DIR", help="CURVE keys for a tcp --address"
     )
+    serve.add_argument(
+        "--enable-elastic-ep",
+        action="store_true",
+        help="resize the data-parallel engines while serving: POST /scale_elastic_ep",
+    )
     serve.add_argument("model_tag", nargs="?", default=None, help="same as --model")
     batch = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI batch requests")
     add_engine_args(batch)
@@ -223,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--api-server-count must be at least 1")
         if ns.data_parallel_size < 1:
             parser.error("--data-parallel-size must be at least 1")
+        if ns.enable_elastic_ep and ns.api_server_count != 1:
+            parser.error("--enable-elastic-ep runs with one API server (--api-server-count 1)")
         return _serve(ns)
     return 2
 

@@ -103,6 +103,9 @@ class FrontendConfig:
     enable_web_ui: bool = True
     # WS /v1/realtime (serving_realtime.py): sessions and what each may do.
     realtime_limits: RealtimeLimits = RealtimeLimits()
+    # `pagoda serve --enable-elastic-ep`'s supervisor socket: /scale_elastic_ep
+    # (serving_elastic.py) resizes the data-parallel engines through it.
+    elastic_supervisor: str | None = None
 
     @property
     def serves_web_ui(self) -> bool:
@@ -128,7 +131,22 @@ def build_app(
     _install_middleware(app, config, in_flight)
     for router in _routers(engine, config, in_flight, tool_servers):
         app.include_router(router)
+    if config.elastic_supervisor is not None:
+        app.include_router(_elastic_router(engine, config.elastic_supervisor, in_flight))
     return app
+
+
+def _elastic_router(engine: AsyncLLM, supervisor: str, in_flight: InFlight) -> APIRouter:
+    from pagoda.frontend.api.serving_elastic import build_router as build_elastic_router
+    from pagoda.frontend.dp_client import DPClient
+    from pagoda.frontend.elastic import ElasticScaler, SupervisorLink
+
+    assert isinstance(engine.client, DPClient)
+    scaler = ElasticScaler(engine.client, SupervisorLink(supervisor))
+    in_flight.refusal = lambda: (
+        "the server is scaling its data parallel engines; retry shortly" if scaler.scaling else None
+    )
+    return build_elastic_router(scaler)
 
 
 def _install_middleware(app: FastAPI, config: FrontendConfig, in_flight: InFlight) -> None:

@@ -40,12 +40,18 @@ class InFlight:
         self.limit = limit
         self.count = 0
         self.draining = False
+        # Why new generation requests are refused for now (an elastic scale
+        # running), or None.
+        self.refusal: Callable[[], str | None] = lambda: None
 
     async def counted(
         self, work: Work, shape: Callable[[APIError], Response] = APIError.response
     ) -> Any:
         """Run `work` as one in-flight request; `shape` renders a refusal in the
         route's own error format."""
+        reason = self.refusal()
+        if reason is not None:
+            return shape(unavailable(reason))
         if self.limit is not None and self.count >= self.limit:
             return shape(
                 unavailable(

@@ -42,6 +42,7 @@ ADMIN_PATHS = frozenset(
         "/stop-profile",
         "/v1/load_lora_adapter",
         "/v1/unload_lora_adapter",
+        "/scale_elastic_ep",
     }
 )
 
