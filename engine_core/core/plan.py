@@ -96,6 +96,8 @@ class StepResult(msgspec.Struct, kw_only=True):
     # Requests verified with drafts: every token the step produced for them,
     # the accepted drafts then the target's own (sampled_token_ids holds the first).
     accepted_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Their logprobs, one per token of accepted_token_ids (logprobs holds the first).
+    accepted_logprobs: dict[str, list[Logprobs]] = msgspec.field(default_factory=dict)
     logprobs: dict[str, Logprobs] = msgspec.field(default_factory=dict)
     # request id -> logprobs of prompt positions [start, end) computed this step
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = msgspec.field(default_factory=dict)

@@ -322,9 +322,13 @@ class Scheduler:
             if token_id is None:
                 continue  # a prompt chunk that does not reach the end yet
             new_token_ids = [token_id]
+            logprobs = result.logprobs.get(request_id)
+            new_logprobs = [logprobs] if logprobs is not None else None
             draft = plan.spec_token_ids.get(request_id)
             if draft is not None:
                 new_token_ids = result.accepted_token_ids.get(request_id, new_token_ids)
+                if new_logprobs is not None:
+                    new_logprobs = result.accepted_logprobs.get(request_id, new_logprobs)
                 num_accepted = len(new_token_ids) - 1
                 self._count_spec(request_id, len(draft), num_accepted)
                 # The rejected drafts' positions hold garbage KV: not computed
@@ -345,11 +349,12 @@ class Scheduler:
             if not done and request_id in grammar_terminated:
                 request.finish_reason = "stop"
                 done = True
-            logprobs = result.logprobs.get(request_id)
+            if new_logprobs is not None:
+                new_logprobs = new_logprobs[: len(new_token_ids)]
             delta = RequestDelta(
                 request_id=request_id,
                 new_token_ids=new_token_ids,
-                new_logprobs=[logprobs] if logprobs is not None else None,
+                new_logprobs=new_logprobs,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
             if is_first and request.sampling_params.prompt_logprobs is not None:
@@ -404,7 +409,7 @@ class Scheduler:
 
         Drafts past max_tokens or max_model_len could never be kept, so none
         are proposed there; nor for what the first slice does not verify:
-        penalties, logit bias, logprobs, structured output, pooling.
+        penalties, logit bias, prompt logprobs, structured output, pooling.
         """
         proposer = self.proposer
         if proposer is None or request.num_tokens - request.num_computed_tokens != 1:
@@ -418,8 +423,6 @@ class Scheduler:
             or request.grammar is not None
             or p.needs_penalties
             or p.logit_bias
-            or p.logprobs is not None
-            or p.logprob_token_ids is not None
             or p.prompt_logprobs is not None
         ):
             return []

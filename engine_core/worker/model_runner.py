@@ -509,14 +509,14 @@ class ModelRunner(RunnerUtilities):
         ]
         token_ids, logprobs = sample(logits, rows, self.history)
         keeps_tokens = self.stage.size == 1  # else they come back in the next plan
-        row = 0
+        next_row = 0
         for request_id, state, draft in zip(sample_ids, states, drafts, strict=True):
+            row, next_row = next_row, next_row + len(draft) + 1
             num_kept = 0
             while num_kept < len(draft) and token_ids[row + num_kept] == draft[num_kept]:
                 num_kept += 1
             new_token_ids = token_ids[row : row + num_kept + 1]
             lp = logprobs[row]
-            row += len(draft) + 1
             if keeps_tokens:
                 for token_id in new_token_ids:
                     state.token_ids.append(token_id)
@@ -524,10 +524,14 @@ class ModelRunner(RunnerUtilities):
                     if state.history_slot >= 0:
                         self.history.append(state.history_slot, token_id)
             result.sampled_token_ids[request_id] = new_token_ids[0]
-            if draft:
-                result.accepted_token_ids[request_id] = new_token_ids
             if lp is not None:
                 result.logprobs[request_id] = lp
+            if draft:
+                result.accepted_token_ids[request_id] = new_token_ids
+                # Row j's logprobs are those of the token sampled there: the kept one.
+                if lp is not None:
+                    kept = logprobs[row : row + num_kept + 1]
+                    result.accepted_logprobs[request_id] = [x for x in kept if x is not None]
 
     def _pool(
         self, hidden: torch.Tensor, rows: list[tuple[str, int, int]], result: StepResult

@@ -198,10 +198,11 @@ def spec_counts(engine: EngineCore) -> tuple[int, int]:
 
 def test_greedy_output_equals_no_speculation(plain: EngineCore, spec: EngineCore) -> None:
     prompts = mixed_prompts()
-    # Continuous batching: requests with logprobs or penalties run without drafts
-    # in the same steps as the others.
+    # Continuous batching: requests with penalties or logit bias run without
+    # drafts in the same steps as the others; logprobs come with each kept token.
     params = [greedy_params(40) for _ in prompts]
     params[1] = greedy_params(40, logprobs=2)
+    params[2] = greedy_params(40, logit_bias={5: 2.0})
     params[6] = greedy_params(40, repetition_penalty=1.3)
     drafts_before, accepted_before = spec_counts(spec)
     expected = outputs(plain, prompts, params)
@@ -217,8 +218,9 @@ def test_greedy_output_equals_no_speculation(plain: EngineCore, spec: EngineCore
         if p.spec_token_ids and len(p.spec_token_ids) < len(p.num_scheduled_tokens)
     ]
     assert mixed
-    assert "r1" not in {r for p in run.plans for r in p.spec_token_ids}
-    assert "r6" not in {r for p in run.plans for r in p.spec_token_ids}
+    drafted = {r for p in run.plans for r in p.spec_token_ids}
+    assert "r1" in drafted and "r2" not in drafted and "r6" not in drafted
+    assert len(run.records["r1"].logprobs) == 40
     # (Other rows in the batch change the last bits of a row's logits.)
     for got, want in zip(run.records["r1"].logprobs, expected.records["r1"].logprobs, strict=True):
         assert got.token_ids == want.token_ids
