@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core.block_manager import BlockManager
 from pagoda.engine_core.core.engine import CPU_MAX_STEP_TOKENS_WITH_DRAFTS, EngineCore
+from pagoda.engine_core.core.request import Request
 from pagoda.engine_core.core.spec_decode import (
     MISSES_BEFORE_PAUSE,
     NgramProposer,
@@ -210,6 +212,10 @@ def test_greedy_output_equals_no_speculation(plain: EngineCore, spec: EngineCore
     assert tokens_of(run) == tokens_of(expected)
     drafts, accepted = spec_counts(spec)
     assert accepted - accepted_before > 20, "lookup should help on these prompts"
+    stats = spec.scheduler.stats()
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
+    assert per_pos == sorted(per_pos, reverse=True)  # position j needs j - 1 kept before it
     assert drafts - drafts_before > accepted - accepted_before, "some drafts are rejected"
     # Steps that verified drafts also carried requests without them.
     mixed = [
@@ -225,6 +231,25 @@ def test_greedy_output_equals_no_speculation(plain: EngineCore, spec: EngineCore
     for got, want in zip(run.records["r1"].logprobs, expected.records["r1"].logprobs, strict=True):
         assert got.token_ids == want.token_ids
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_blocks_holding_drafts_are_not_cached() -> None:
+    """allocate_slots for a token and its drafts caches full blocks only up to
+    the request's real tokens; the next step caches what was kept."""
+    manager = BlockManager(8, 4, enable_prefix_caching=True)
+    request = Request("r", list(range(7)), SamplingParams(), [], 0.0)
+    assert manager.allocate_slots(request, 6, [])  # the prompt, then one token
+    request.num_computed_tokens = 6
+    # The 7th token and 4 drafts: positions 6..10 (blocks 1 and 2 filled).
+    assert manager.allocate_slots(request, 5)
+    assert len(manager.cached_blocks) == 1  # block 1 holds position 7: a draft
+    # Two drafts kept, then the model's token: 10 real tokens, 9 computed.
+    for token_id in (7, 8, 9):
+        request.append_output_token(token_id)
+    request.num_computed_tokens = 9
+    assert manager.allocate_slots(request, 1)
+    assert len(manager.cached_blocks) == 2  # block 1 is real tokens now; block 2 is not full
+    manager.check_invariants()
 
 
 def test_drafts_stop_where_a_step_would_pass_the_cap(plain: EngineCore, spec: EngineCore) -> None:
