@@ -9,8 +9,9 @@ a piece of code, where prompt lookup helps. Greedy and temperature 0.8
 (seeded). Output tok/s and ITL (time after the first token over the tokens
 after it) per request, for an engine with --speculative-config and one
 without, the same settings otherwise, alternated round by round so that
-other work on the machine hits both alike. With --c64: 64 requests at once
-on random prompts (128 tokens in, 128 out, ignore_eos), output tok/s.
+other work on the machine hits both alike. With --c64: 64 requests (or
+--batch N) at once on random prompts (128 tokens in, 128 out, ignore_eos,
+temperature 0.8), output tok/s.
 """
 
 from __future__ import annotations
@@ -117,11 +118,11 @@ def c1(engines: dict[str, EngineCore], prompts: list[list[int]], args: argparse.
             )
 
 
-def c64(engines: dict[str, EngineCore], args: argparse.Namespace, vocab: int) -> None:
+def batch(engines: dict[str, EngineCore], args: argparse.Namespace, vocab: int) -> None:
     rng = random.Random(0)
     results: dict[str, list[float]] = {k: [] for k in engines}
     for r in range(args.rounds):
-        prompts = [[rng.randrange(vocab) for _ in range(128)] for _ in range(64)]
+        prompts = [[rng.randrange(vocab) for _ in range(128)] for _ in range(args.batch)]
         for label, engine in engines.items():
             params = SamplingParams(temperature=0.8, max_tokens=128, ignore_eos=True)
             started = time.perf_counter()
@@ -135,7 +136,8 @@ def c64(engines: dict[str, EngineCore], args: argparse.Namespace, vocab: int) ->
     for label, values in results.items():
         stats = engines[label].scheduler.stats()
         print(
-            f"c=64 random {label:>5}: output tok/s median {statistics.median(values):6.1f} "
+            f"c={args.batch} random {label:>5}: output tok/s median "
+            f"{statistics.median(values):6.1f} "
             f"(runs {', '.join(f'{v:.0f}' for v in values)}), drafts accepted "
             f"{stats.spec_decode_num_accepted_tokens}/{stats.spec_decode_num_draft_tokens}"
         )
@@ -146,7 +148,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--spec", default=DEFAULT_SPEC)
-    parser.add_argument("--c64", action="store_true", help="also 64 random prompts at once")
+    parser.add_argument("--c64", action="store_true", help="also random prompts at once")
+    parser.add_argument("--batch", type=int, default=64, help="how many, with --c64")
+    parser.add_argument("--skip-c1", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     engines = {
@@ -161,9 +165,10 @@ def main() -> None:
         for task in TASKS
     ]
     print(f"spec config {args.spec}; prompts of {[len(p) for p in prompts]} tokens")
-    c1(engines, prompts, args)
+    if not args.skip_c1:
+        c1(engines, prompts, args)
     if args.c64:
-        c64(engines, args, engines["none"].info.vocab_size)
+        batch(engines, args, engines["none"].info.vocab_size)
 
 
 if __name__ == "__main__":
