@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
+from pagoda.frontend.dp_client import DPClient
+from pagoda.protocol.messages import SchedulerStats
 from tests.frontend.conftest import ENGINE_FLAGS, Server
 from tests.frontend.servers import private_server
 
@@ -55,3 +58,25 @@ def test_speculative_server_matches_plain_greedy(server: Server, tmp_path: Path)
     assert 0 < accepted <= drafted
     assert counter(metrics, "vllm:spec_decode_num_drafts_total") > 0
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in metrics
+
+
+def test_data_parallel_stats_add_the_counters_by_position() -> None:
+    """Engines' accepted-per-position lists add up position by position (an
+    engine without speculation sends none)."""
+    client = DPClient.__new__(DPClient)
+    client.clients = [  # type: ignore[assignment]
+        SimpleNamespace(
+            stats=SchedulerStats(
+                spec_decode_num_accepted_tokens=5, spec_decode_num_accepted_tokens_per_pos=[3, 2]
+            )
+        ),
+        SimpleNamespace(stats=SchedulerStats()),
+        SimpleNamespace(
+            stats=SchedulerStats(
+                spec_decode_num_accepted_tokens=4, spec_decode_num_accepted_tokens_per_pos=[2, 1, 1]
+            )
+        ),
+    ]
+    total = client.stats
+    assert total.spec_decode_num_accepted_tokens == 9
+    assert total.spec_decode_num_accepted_tokens_per_pos == [5, 3, 1]
