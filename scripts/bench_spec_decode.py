@@ -152,10 +152,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="how many, with --c64")
     parser.add_argument("--skip-c1", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, help="e.g. gguf: the 4-bit path")
     args = parser.parse_args()
+    common = dict(dtype=args.dtype, quantization=args.quantization)
     engines = {
-        "none": EngineCore(EngineConfig(dtype=args.dtype)),
-        "ngram": EngineCore(EngineConfig(dtype=args.dtype, speculative_config=args.spec)),
+        "none": EngineCore(EngineConfig(**common)),  # type: ignore[arg-type]
+        "ngram": EngineCore(EngineConfig(**common, speculative_config=args.spec)),  # type: ignore[arg-type]
     }
     tokenizer = Tokenizer(tokenizer_dir_for(resolve_model_path(None)))
     prompts = [
