@@ -133,21 +133,30 @@ def test_scale_up_and_down_while_requests_are_in_flight(elastic: Elastic) -> Non
             t.join(timeout=180)
     assert not any(t.is_alive() for t in threads), "a request hung"
     # Requests still running on the engine to retire past the drain timeout: 408.
-    long = [
-        threading.Thread(
-            target=complete, args=(elastic.base, p), kwargs={"max_tokens": 100}, daemon=True
-        )
-        for p in PROMPTS[:3]
-    ]
+    release = threading.Event()
+    streaming = threading.Semaphore(0)
+
+    def long_request(prompt: str) -> None:
+        body = {"prompt": prompt, "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{elastic.base}/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator would close the stream
+            next(lines)
+            streaming.release()
+            release.wait(120)  # then the connection closes: the server aborts it
+
+    long = [threading.Thread(target=long_request, args=(p,)) for p in PROMPTS[:3]]
     for t in long:
         t.start()
-    time.sleep(1.5)
-    r = elastic.scale(1, drain_timeout=0.5)
-    assert r.status_code == 408, r.text
+    for _ in long:
+        assert streaming.acquire(timeout=120)
+    r = elastic.scale(1, drain_timeout=0.3)
+    stats = httpx.get(f"{elastic.base}/stats", timeout=10).json()
+    assert r.status_code == 408, (r.text, stats)
     assert not elastic.scaling() and len(elastic.engines()) == 2
     assert complete(elastic.base, PROMPTS[1]).json()["choices"][0]["text"] == elastic.references[1]
+    release.set()
     for t in long:
-        t.join(timeout=180)
+        t.join(timeout=60)
     started = time.monotonic()
     down = elastic.scale(1)
     down_s = time.monotonic() - started
