@@ -173,6 +173,40 @@ def test_the_proxy_reports_its_instances_and_refuses_bad_bodies(disagg: Disagg) 
     assert metric(disagg.proxy, "pagoda_proxy:instance_up") == 2  # the dead prefill is down
 
 
+def test_the_token_route_carries_kv_transfer_params(disagg: Disagg) -> None:
+    """/inference/v1/generate: prefill on the producer, pull on the consumer,
+    the same tokens as computing it there."""
+    ids = list(range(1000, 1040))
+    params = {"temperature": 0, "max_tokens": 8}
+    reference = httpx.post(
+        f"{disagg.prefill.base}/inference/v1/generate",
+        json={"token_ids": ids, "sampling_params": params},
+        timeout=60,
+    ).json()["choices"][0]["token_ids"]
+    prefill = httpx.post(
+        f"{disagg.prefill.base}/inference/v1/generate",
+        json={
+            "token_ids": ids,
+            "sampling_params": {**params, "max_tokens": 1},
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+        timeout=60,
+    ).json()
+    assert prefill["kv_transfer_params"]["do_remote_prefill"] is True
+    decoded = httpx.post(
+        f"{disagg.decode.base}/inference/v1/generate",
+        json={
+            "token_ids": ids,
+            "sampling_params": params,
+            "kv_transfer_params": prefill["kv_transfer_params"],
+        },
+        timeout=60,
+    ).json()
+    assert decoded["choices"][0]["token_ids"] == reference
+    assert decoded["kv_transfer_params"]["kv_transfer"] == "transferred"
+    assert decoded["kv_transfer_params"]["transferred_tokens"] == len(ids) - 1
+
+
 def test_a_dead_decode_engine_is_a_clear_error_and_the_held_blocks_are_freed(
     disagg: Disagg,
 ) -> None:
