@@ -150,10 +150,13 @@ class WhisperForConditionalGeneration:
         """Each request's queries over its own encoder keys/values → [num_tokens, hidden]."""
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         for seg in segments:
-            qs = q[seg.start : seg.start + seg.length].transpose(0, 1)[None]  # [1, h, n, d]
-            k, v = seg.cross_kv[layer, 0][None], seg.cross_kv[layer, 1][None]
-            attn = F.scaled_dot_product_attention(qs, k, v, scale=self.scale)  # [1, h, n, d]
-            out[seg.start : seg.start + seg.length] = attn[0].transpose(0, 1).flatten(1)
+            qs = q[seg.start : seg.start + seg.length].transpose(0, 1)  # [h, n, d]
+            k, v = seg.cross_kv[layer, 0], seg.cross_kv[layer, 1]  # [h, S, d]
+            # A few queries against 1500 keys: two matmuls beat SDPA's kernel
+            # (its per-call thread handoff costs more than the arithmetic).
+            scores = torch.matmul(qs, k.transpose(1, 2)).float() * self.scale  # [h, n, S]
+            attn = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [h, n, d]
+            out[seg.start : seg.start + seg.length] = attn.transpose(0, 1).flatten(1)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
