@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=100)
     parser.add_argument("--steps", default="40:80", help="START:STOP, the steps timed")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--quantization", "-q", default=None, choices=["gguf", "int8"])
     add_sampling_flags(parser, temperature=0.0)
     parser.add_argument(
         "--mix",
@@ -76,7 +77,10 @@ def main() -> None:
         [rng.randrange(100, 49152) for _ in range(args.input_len)] for _ in range(args.num_prompts)
     ]
     llm = LLM(
-        dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens
+        dtype="bfloat16",
+        max_num_seqs=256,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization,
     )
     warmup = SamplingParams(temperature=0, max_tokens=4)
     llm.generate([list(reversed(prompts[0]))], warmup, use_tqdm=False)
@@ -94,6 +98,8 @@ def main() -> None:
         key = name
         if name == "linear_bf16_pairs":  # (x, packed, outs, bias, float_out, glu)
             key += f":{op_args[2]}" + (f":glu{op_args[5]}" if op_args[5] else "")
+        elif name == "linear_int8":  # (x, packed, wscale, outs, bias, int32_out)
+            key += f":{op_args[3]}"
         spent[key] += time.perf_counter() - t0
         calls[key] += 1
         return out
