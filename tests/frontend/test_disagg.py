@@ -207,6 +207,17 @@ def test_the_token_route_carries_kv_transfer_params(disagg: Disagg) -> None:
     assert decoded["kv_transfer_params"]["transferred_tokens"] == len(ids) - 1
 
 
+def test_a_client_that_goes_away_aborts_its_request(disagg: Disagg) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{disagg.proxy}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        eventually(lambda: metric(disagg.decode.base, "vllm:num_requests_running") == 1)
+    # The connection closed: the proxy drops its call, the decode instance aborts.
+    eventually(lambda: metric(disagg.decode.base, "vllm:num_requests_running") == 0)
+    eventually(lambda: metric(disagg.decode.base, "vllm:kv_cache_usage_perc") == 0.0)
+
+
 def test_a_dead_decode_engine_is_a_clear_error_and_the_held_blocks_are_freed(
     disagg: Disagg,
 ) -> None:
