@@ -9,7 +9,7 @@ processes (`pagoda serve --api-server-count N`) prometheus-client's
 multiprocess mode sums the request metrics over all of them.
 
 Speech to text adds two of its own (vLLM has none): `pagoda:audio_seconds`
-(seconds of audio transcribed or translated) and
+(seconds of audio transcribed or translated, realtime utterances included) and
 `pagoda:audio_real_time_factor` (per request: the time from the upload read
 to the answer's end, over the audio's duration; below 1 is faster than
 real time).
@@ -307,11 +307,12 @@ class FrontendMetrics:
         for reason in finish_reasons:
             self.success.labels(m, reason).inc()
 
-    def observe_audio(self, audio_seconds: float, wall_seconds: float) -> None:
-        """A finished speech-to-text request: its audio's duration and how long it took."""
+    def observe_audio(self, audio_seconds: float, wall_seconds: float | None) -> None:
+        """A finished speech-to-text request: its audio's duration and how long it
+        took (None for a realtime utterance, whose audio came as it was spoken)."""
         m = self.model_name
         self.audio_seconds.labels(m).inc(audio_seconds)
-        if audio_seconds > 0:
+        if audio_seconds > 0 and wall_seconds is not None:
             self.real_time_factor.labels(m).observe(wall_seconds / audio_seconds)
 
     def render(self) -> bytes:

@@ -165,6 +165,9 @@ class Utterance:
             "completion_tokens": self.num_completion_tokens,
             "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
         }
+        metrics = self.audio.engine.metrics
+        if metrics is not None:  # seconds of audio; its pace was the speaker's, not ours
+            metrics.observe_audio(self.num_samples / SAMPLE_RATE, None)
         await self.send("done", {"text": final, "usage": usage})
 
     async def _send_delta(self, delta: str) -> None:

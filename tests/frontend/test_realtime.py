@@ -275,7 +275,20 @@ def test_openai_transcription_events(whisper: str, short_pcm: np.ndarray, short_
             assert error["code"] == "unknown_event" and error["event_id"] == "evt_1"
             assert error["message"]
 
+    before = audio_seconds(whisper)
     asyncio.run(run())
+    # The utterance's audio counts in /metrics (the cleared half second does not).
+    assert audio_seconds(whisper) - before == pytest.approx(len(short_pcm) / 16000)
+
+
+def audio_seconds(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", headers=AUTH, timeout=10).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pagoda:audio_seconds_total")
+    ]
+    return sum(values)
 
 
 def test_session_limit(whisper: str) -> None:
