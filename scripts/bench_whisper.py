@@ -3,7 +3,8 @@
     python scripts/bench_whisper.py [--clips 8] [--repeat 3]
 
 The clips are espeak-ng reading sentences (about 6-8 s each), as WAV. Pagoda
-runs as `pagoda serve --model Systran/faster-whisper-tiny.en` (float32) and
+runs as `pagoda serve --model Systran/faster-whisper-tiny.en` (float32, or
+`--dtype bfloat16`) and
 takes the clips through /v1/audio/transcriptions, one at a time and all at
 once; faster-whisper (CTranslate2) transcribes the same model.bin in float32
 and in int8 (its CPU default), greedy, one at a time and with as many
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--dtype", default="float32", help="Pagoda's dtype (float32, bfloat16)")
     args = parser.parse_args()
     clips = [speak(SENTENCES[i % len(SENTENCES)]) for i in range(args.clips)]
     wavs = [as_wav(c) for c in clips]
@@ -123,6 +125,8 @@ def main() -> None:
             "Systran/faster-whisper-tiny.en",
             "--port",
             str(args.port),
+            "--dtype",
+            args.dtype,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -145,7 +149,8 @@ def main() -> None:
         for rnd in range(args.repeat):  # alternated rounds
             for concurrent in (False, True):
                 label = "all at once" if concurrent else "one at a time"
-                rows.append((rnd, "pagoda f32", label, run_pagoda(wavs, concurrent, base)))
+                name = f"pagoda {args.dtype}"
+                rows.append((rnd, name, label, run_pagoda(wavs, concurrent, base)))
                 for compute in ("float32", "int8"):
                     seconds = run_faster_whisper(clips, compute, concurrent)
                     rows.append((rnd, f"faster-whisper {compute}", label, seconds))
