@@ -15,7 +15,6 @@ attends to its own audio. Eager only (no CUDA graphs), no LoRA, one rank.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,9 +35,6 @@ class WhisperRunner(ModelRunner):
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         if config.enable_lora:
             raise ValueError("LoRA adapters are not supported on Whisper models")
-        if config.dtype == "auto":
-            # float32 by default: greedy transcripts equal the float32 reference's.
-            config = replace(config, dtype="float32")
         assert model_config.whisper is not None
         self.cross_kv: dict[str, torch.Tensor] = {}  # request id → [layers, 2, heads, S, d]
         self._to_encode: dict[str, bytes] = {}

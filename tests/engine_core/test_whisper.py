@@ -108,8 +108,12 @@ def reference(clips: list[np.ndarray]) -> list[list[int]]:
 
 
 def _engine(**kwargs: Any) -> EngineCore:
+    """Float32, as the reference runs (the default dtype is bfloat16 where the
+    CPU computes in it natively)."""
     _model_dir()
-    return EngineCore(EngineConfig(model=MODEL_NAME, num_threads=NUM_THREADS, **kwargs))
+    return EngineCore(
+        EngineConfig(model=MODEL_NAME, num_threads=NUM_THREADS, dtype="float32", **kwargs)
+    )
 
 
 @pytest.fixture(scope="module")
