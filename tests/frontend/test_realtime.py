@@ -452,7 +452,13 @@ def test_conversation_goes_on_and_cancel(server: Server) -> None:
                 assert done["response"]["usage"]["output_tokens"] <= 4
             # The second prompt held the first exchange: more input tokens.
             assert done["response"]["usage"]["input_tokens"] > 20
-            await ws.send(event("response.create", response={"max_output_tokens": 500}))
+            # Greedy and told to go on at length: still running when the cancel comes.
+            long = {
+                "max_output_tokens": 500,
+                "temperature": 0,
+                "instructions": "Write a long story about a dragon.",
+            }
+            await ws.send(event("response.create", response=long))
             await next_event(ws, "response.output_text.delta")
             await ws.send(event("response.cancel"))
             return (await next_event(ws, "response.done"))["response"]
@@ -466,9 +472,12 @@ def test_vanished_client_frees_its_engine_request(server: Server) -> None:
     async def run() -> None:
         ws = await websockets.connect(ws_url(server.base_url))
         await next_event(ws, "session.created")
-        item = {"role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}
+        text = "Write a long story about a dragon."
+        item = {"role": "user", "content": [{"type": "input_text", "text": text}]}
         await ws.send(event("conversation.item.create", item=item))
-        await ws.send(event("response.create", response={"max_output_tokens": 800}))
+        await ws.send(
+            event("response.create", response={"max_output_tokens": 800, "temperature": 0})
+        )
         await next_event(ws, "response.output_text.delta")
         assert engine_running(server.base_url) >= 1
         ws.transport.abort()  # gone without a close frame
@@ -505,10 +514,13 @@ def test_openai_client_conversation(server: Server) -> None:
     client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
     with client.realtime.connect(model="HuggingFaceTB/SmolLM2-135M-Instruct") as connection:
         assert connection.recv().type == "session.created"
-        content = [{"type": "input_text", "text": "Say hello."}]
+        # Greedy, and a question whose answer runs past the 8-token limit.
+        content = [{"type": "input_text", "text": "Write a long story about a dragon."}]
         item = {"type": "message", "role": "user", "content": content}
         connection.conversation.item.create(item=item)  # type: ignore[arg-type]
-        connection.response.create(response={"max_output_tokens": 8})
+        connection.response.create(
+            response={"max_output_tokens": 8, "temperature": 0}  # type: ignore[typeddict-unknown-key]
+        )
         text = ""
         for received in connection:
             if received.type == "response.output_text.delta":
