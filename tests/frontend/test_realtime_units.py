@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -94,6 +95,7 @@ class FakeTranscriber:
 
     def __init__(self) -> None:
         self.windows: list[int] = []
+        self.engine = SimpleNamespace(metrics=None)  # AudioServer's, without /metrics
 
     async def transcribe_window(
         self, samples: np.ndarray, language: str, request_id: str, no_speech_rule: bool = True
