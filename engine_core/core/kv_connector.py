@@ -43,7 +43,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagoda.protocol.curve import secure_client, secure_server
+from pagoda.protocol.curve import secure_server
+from pagoda.protocol.dealer_calls import DealerCalls
 
 CONNECTORS = ("OffloadingConnector", "PeerConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -166,8 +167,7 @@ class PeerConnector:
         self._released: list[str] = []
         self._next_id = 0
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._clients: dict[str, zmq.Socket[Any]] = {}
-        self._seq = 0
+        self._calls = DealerCalls(self.curve_dir)  # a consumer's side-channel calls
         self._auth: Any = None
         self._stop = threading.Event()
         self.side_port = 0
@@ -281,25 +281,10 @@ class PeerConnector:
     def call(self, params: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
         """One side-channel call to the producer named by `params`; its answer."""
         endpoint = f"tcp://{params['remote_host']}:{params['remote_port']}"
-        sock = self._clients.get(endpoint)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            if self.curve_dir:
-                secure_client([sock], self.curve_dir)
-            sock.connect(endpoint)
-            self._clients[endpoint] = sock
-        self._seq += 1
-        seq = self._seq
-        sock.send(msgspec.msgpack.encode({**message, "seq": seq}))
-        timeout_ms = int(min(self.timeout_s, 10.0) * 1000)
-        while True:
-            if not sock.poll(timeout_ms):
-                self._clients.pop(endpoint).close(0)  # a late answer is never read
-                raise KVTransferError(f"the producer at {endpoint} did not answer")
-            reply = msgspec.msgpack.decode(sock.recv())
-            if reply.get("seq") == seq:
-                break
+        try:
+            reply, _ = self._calls.call(endpoint, message, min(self.timeout_s, 10.0))
+        except TimeoutError:
+            raise KVTransferError(f"the producer at {endpoint} did not answer") from None
         if "error" in reply:
             raise KVTransferError(reply["error"])
         return reply
@@ -309,8 +294,7 @@ class PeerConnector:
         if self.config.is_producer:
             self._thread.join(timeout=2)
             self._server.close(0)
-        for sock in self._clients.values():
-            sock.close(0)
+        self._calls.close()
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()

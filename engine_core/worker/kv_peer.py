@@ -25,7 +25,8 @@ import msgspec
 import torch
 import zmq
 
-from pagoda.protocol.curve import secure_client, secure_server
+from pagoda.protocol.curve import secure_server
+from pagoda.protocol.dealer_calls import DealerCalls
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -106,21 +107,7 @@ class KVPuller:
     """Pulls blocks from producers' KVServers into one rank's cache."""
 
     def __init__(self, curve_dir: str | None) -> None:
-        self._curve_dir = curve_dir
-        self._ctx: zmq.Context[Any] = zmq.Context()
-        self._socks: dict[str, zmq.Socket[Any]] = {}
-        self._seq = 0
-
-    def _socket(self, endpoint: str) -> zmq.Socket[Any]:
-        sock = self._socks.get(endpoint)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            if self._curve_dir:
-                secure_client([sock], self._curve_dir)
-            sock.connect(endpoint)
-            self._socks[endpoint] = sock
-        return sock
+        self._calls = DealerCalls(curve_dir)
 
     @torch.inference_mode()
     def pull(
@@ -136,20 +123,10 @@ class KVPuller:
             raise ValueError("remote and local block lists differ in length")
         if not remote_ids:
             return 0
-        self._seq += 1
-        seq = self._seq
-        sock = self._socket(endpoint)
-        sock.send(msgspec.msgpack.encode({"seq": seq, "block_ids": remote_ids}))
-        deadline_ms = int(timeout_s * 1000)
-        while True:
-            if not sock.poll(deadline_ms):
-                # The reply may still come: a fresh socket next time, so it is never read.
-                self._socks.pop(endpoint).close(0)
-                raise TimeoutError(f"no KV blocks from {endpoint} within {timeout_s:g} s")
-            frames = sock.recv_multipart(copy=False)
-            header = msgspec.msgpack.decode(frames[0].bytes)
-            if header.get("seq") == seq:
-                break  # older replies belong to pulls that timed out
+        try:
+            header, frames = self._calls.call(endpoint, {"block_ids": remote_ids}, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no KV blocks from {endpoint} within {timeout_s:g} s") from None
         if "error" in header:
             raise RuntimeError(f"the producer refused the read: {header['error']}")
         mine = _layout(kv_caches)
@@ -172,7 +149,4 @@ class KVPuller:
         return moved
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(0)
-        self._socks.clear()
-        self._ctx.term()
+        self._calls.close()
