@@ -166,10 +166,19 @@ def test_pause_modes_under_streaming_load(tmp_path: Path) -> None:
         assert sorted(f for _, f in out.values()) == ["abort", "abort"]
 
         # wait: answered once every admitted request finished; new ones held meanwhile.
+        # All 16 are admitted (each streamed its first token) before the pause; once it
+        # answers, every stream ends at once and whole (a `keep` would leave them hanging,
+        # an `abort` would cut them short).
+        first = len(STREAM_IDS)
         threads, waited = live_load(base, 16, 24)
-        wait_tokens_flowing(base)
+        deadline = time.monotonic() + 60
+        while len(STREAM_IDS) - first < 16:
+            assert time.monotonic() < deadline, "the load never started"
+            time.sleep(0.02)
         assert httpx.post(base + "/pause?mode=wait", headers=ADMIN, timeout=120).status_code == 200
-        assert len(waited) == 16  # all done when the pause answered
+        assert httpx.get(base + "/stats", headers=ADMIN).json().get("num_running", 0) == 0
+        for t in threads:
+            t.join(10)
         assert waited == plain
         held = {}
         late = threading.Thread(target=stream_completion, args=(base, "Story 1: once", 24, held))
