@@ -163,7 +163,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-expert-parallel",
         action="store_true",
         help="mixtures of experts: split the experts whole over the tensor-parallel ranks "
-        "instead of sharding each expert",
+        "instead of sharding each expert; with `pagoda serve --data-parallel-size N`, over "
+        "the N engine cores, which then step in lockstep",
     )
     g.add_argument(
         "--distributed-executor-backend",
@@ -267,6 +268,8 @@ def engine_args_to_argv(ns: argparse.Namespace) -> list[str]:
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:  # store_true and the like: the flag alone
+            argv.append(flag)
         elif action.dest == "lora_modules":
             for name, path in value:
                 argv += [flag, f"{name}={path}"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -35,7 +36,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-parallel-rank",
         type=int,
         default=None,
-        help="this engine core's rank among data-parallel ones (shown in its process title)",
+        help="this engine core's rank among data-parallel ones (shown in its process title; "
+        "with --enable-expert-parallel, its rank in the engines' expert-parallel world)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="how many data-parallel engine cores share the experts "
+        "(with --enable-expert-parallel; `pagoda serve` passes it)",
+    )
+    parser.add_argument(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        help="where the expert-parallel engines' torch.distributed world meets (rank 0's host)",
+    )
+    parser.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=29550,
+        help="the port of that meeting point",
     )
     parser.add_argument(
         "--headless",
@@ -60,6 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         split_address(address)
         config = engine_config_from_args(ns)
+        if ns.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be at least 1")
+        if ns.data_parallel_size > 1:
+            dp_rank = ns.data_parallel_rank
+            if dp_rank is None or not 0 <= dp_rank < ns.data_parallel_size:
+                raise ValueError(
+                    "--data-parallel-size > 1 needs --data-parallel-rank in "
+                    f"[0, {ns.data_parallel_size})"
+                )
+            config = dataclasses.replace(
+                config,
+                data_parallel_size=ns.data_parallel_size,
+                data_parallel_rank=dp_rank,
+                data_parallel_address=ns.data_parallel_address,
+                data_parallel_rpc_port=ns.data_parallel_rpc_port,
+            )
     except ValueError as e:
         parser.error(str(e))
 

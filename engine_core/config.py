@@ -74,6 +74,14 @@ class EngineConfig:
     # Mixtures of experts: experts split whole over the tensor-parallel ranks
     # instead of each expert being sharded (vLLM's --enable-expert-parallel).
     enable_expert_parallel: bool = False
+    # Expert parallelism across data-parallel engine cores (enable_expert_parallel
+    # with data_parallel_size > 1): this engine's rank among them, and where the
+    # engines' torch.distributed world meets (vLLM's --data-parallel-address and
+    # --data-parallel-rpc-port).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
     # uni | mp | ray | external_launcher; None: uni for one rank, mp for more.
     distributed_executor_backend: str | None = None
     # Several hosts (mp): the ranks are spread evenly over nnodes nodes; node 0
@@ -84,6 +92,12 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+
+    @property
+    def expert_parallel_engines(self) -> bool:
+        """Whether the experts are split over data-parallel engine cores, which
+        then step in lockstep (worker/expert_parallel.py)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @property
     def world_size(self) -> int:

@@ -55,6 +55,9 @@ _READY_RETRY_S = 5.0
 # An idle engine sends each frontend a heartbeat this often; frontends take
 # a few missed ones as the engine's death.
 HEARTBEAT_INTERVAL_S = 0.5
+# An idle engine in lockstep with others: how long it waits for input between
+# its checks whether another engine has work.
+LOCKSTEP_IDLE_WAIT_S = 0.01
 # A frontend silent this long is taken for dead and its requests are aborted.
 CLIENT_SILENCE_LIMIT_S = 5.0
 
@@ -107,11 +110,15 @@ class EngineCoreServer:
         are told why, and the reason is logged naming the rank)."""
         for thread in self._threads:
             thread.start()
+        # In lockstep with other engines (experts split over them) an idle engine
+        # checks often whether another has work, since none steps without it.
+        lockstep = self.engine.lockstep
+        wait = LOCKSTEP_IDLE_WAIT_S if lockstep else 0.5
         try:
             while not self.stop_event.is_set():
-                self._drain_inputs(block=not self.engine.has_work())
+                self._drain_inputs(block=not self.engine.has_work(), timeout=wait)
                 self._drop_silent_clients()
-                if not self.engine.has_work():
+                if not (self.engine.any_engine_busy() if lockstep else self.engine.has_work()):
                     self.engine.executor.check_health()
                     self.engine.release_kv_holds()
                     continue
@@ -120,6 +127,14 @@ class EngineCoreServer:
             logger.error("engine core failed: %s", e)
             self._dead_reason = f"engine core failed: {e}"
             return 1
+        except RuntimeError as e:
+            if not lockstep:
+                raise
+            # A collective with the other expert-parallel engines failed: one of
+            # them is gone, and no step can run without it.
+            logger.error("an expert-parallel engine failed: %s", e)
+            self._dead_reason = f"an expert-parallel engine failed: {e}"
+            return 1
         finally:
             self._shutdown()
         return 0
@@ -127,10 +142,10 @@ class EngineCoreServer:
     def stop(self) -> None:
         self.stop_event.set()
 
-    def _drain_inputs(self, block: bool) -> None:
+    def _drain_inputs(self, block: bool, timeout: float = 0.5) -> None:
         try:
             if block:
-                identity, msg = self.input_queue.get(timeout=0.5)
+                identity, msg = self.input_queue.get(timeout=timeout)
                 self._handle(identity, msg)
             while True:
                 identity, msg = self.input_queue.get_nowait()

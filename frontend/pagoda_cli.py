@@ -14,6 +14,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,12 @@ from pagoda.frontend.bench.cli import add_bench_args, run_bench
 from pagoda.frontend.cli import add_frontend_args, frontend_args_to_argv
 from pagoda.frontend.run_batch import add_run_batch_args, run_batch
 from pagoda.protocol.addresses import default_ipc_address, dp_addresses
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -43,6 +50,7 @@ def _serve(ns: argparse.Namespace) -> int:
         # The engines share the cores rather than each claiming all of them.
         threads = max(1, (os.cpu_count() or 1) // ns.data_parallel_size)
         engine_flags += ["--num-threads", str(threads)]
+    ep_port = _free_port() if ns.enable_expert_parallel and len(addresses) > 1 else 0
     for i, engine_address in enumerate(addresses):
         engine_argv = [
             python,
@@ -54,6 +62,16 @@ def _serve(ns: argparse.Namespace) -> int:
         ]
         if len(addresses) > 1:
             engine_argv += ["--data-parallel-rank", str(i)]
+        if len(addresses) > 1 and ns.enable_expert_parallel:
+            # The experts are split over the engines, which meet here.
+            engine_argv += [
+                "--data-parallel-size",
+                str(len(addresses)),
+                "--data-parallel-address",
+                "127.0.0.1",
+                "--data-parallel-rpc-port",
+                str(ep_port),
+            ]
         name = "engine-core" if len(addresses) == 1 else f"engine-core {i}"
         engines.append((name, subprocess.Popen(engine_argv, preexec_fn=die_with_parent())))
     api_argv = [
@@ -314,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--data-parallel-size must be at least 1")
         if ns.enable_elastic_ep and ns.api_server_count != 1:
             parser.error("--enable-elastic-ep runs with one API server (--api-server-count 1)")
+        if ns.enable_elastic_ep and ns.enable_expert_parallel:
+            parser.error(
+                "--enable-elastic-ep with --enable-expert-parallel is not supported yet: "
+                "resizing would have to move experts between the engines"
+            )
         return _serve(ns)
     return 2
 

@@ -546,6 +546,17 @@ class EngineCore(EngineUtilities, TrainingControls):
         request.kv_transfer_out = {"kv_transfer": "recomputed", "reason": reason}
         logger.warning("request %s: KV computed here, not pulled: %s", request.request_id, reason)
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether this engine steps together with the other data-parallel engines
+        that hold the rest of the experts (worker/expert_parallel.py)."""
+        return self.config.expert_parallel_engines
+
+    def any_engine_busy(self) -> bool:
+        """Lockstep: whether this engine or any of the others has work this step
+        (a collective: every engine calls it once per loop)."""
+        return bool(self.executor.collective_rpc("ep_any_work", (self.has_work(),))[0])
+
     def has_work(self) -> bool:
         paused = self._has_paused_work()
         if paused is not None:
@@ -572,6 +583,8 @@ class EngineCore(EngineUtilities, TrainingControls):
             self.executor.submit(plan)
             self._in_flight.append(plan)
         if not self._in_flight:
+            if self.lockstep:  # the other engines' MoE layers need this one anyway
+                self.executor.collective_rpc("execute_idle")
             if not failed and self._compiling:
                 # Only grammars in flight: wait for one rather than spin.
                 wait([r.grammar for r in self._compiling.values() if r.grammar], timeout=0.02)

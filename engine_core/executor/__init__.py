@@ -11,10 +11,16 @@ from pagoda.engine_core.model_config import ModelConfig
 
 def create_executor(config: EngineConfig, model_config: ModelConfig) -> Executor:
     """The executor for this config; its workers are loaded when this returns."""
-    from pagoda.engine_core.worker.parallel import check_pipeline_parallel, check_tensor_parallel
+    from pagoda.engine_core.worker.parallel import (
+        check_expert_parallel_engines,
+        check_pipeline_parallel,
+        check_tensor_parallel,
+    )
 
     check_tensor_parallel(model_config, config.tensor_parallel_size, config.enable_expert_parallel)
     check_pipeline_parallel(model_config, config.pipeline_parallel_size)
+    if config.expert_parallel_engines:
+        check_expert_parallel_engines(model_config, config)
     if config.enable_lora and model_config.moe is not None:
         raise ValueError("LoRA adapters on mixture-of-experts models are not supported yet")
     backend = config.executor_backend

@@ -400,7 +400,10 @@ class LlamaModel:
                 attn = backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)
             if n == last and last_rows is not None:
                 if last_rows.numel() == 0:  # a prompt chunk that samples nothing
-                    return residual.new_empty((0, residual.shape[-1]))
+                    empty = residual.new_empty((0, residual.shape[-1]))
+                    if layer.moe is not None and layer.moe.ep is not None:
+                        layer.moe(empty)  # the engines' exchange needs every rank in it
+                    return empty
                 attn, residual = attn[last_rows], residual[last_rows]
             x, residual = backend.add_rms_norm(
                 tp.all_reduce(_project(layer.o_proj, attn.flatten(1), lora, i, "o_proj")),

@@ -9,7 +9,9 @@ tensor parallelism every expert is split like a dense MLP (gate|up by
 rows, down by columns) and the caller's all-reduce adds the partial sums;
 under expert parallelism (--enable-expert-parallel) each rank instead holds
 whole experts, a contiguous share of them, computes its experts' part for
-every token, and the same all-reduce adds the ranks' parts.
+every token, and the same all-reduce adds the ranks' parts. Across
+data-parallel engines the experts are split over the engines and the tokens
+travel (worker/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -33,17 +35,27 @@ class MoELayer:
     # Expert parallelism: this rank holds experts [first_expert, first_expert +
     # len(w13)) whole and adds only their share; the caller's all-reduce sums the ranks'.
     first_expert: int = 0
+    # Expert parallelism across data-parallel engines (worker/expert_parallel.py):
+    # the exchange that takes this layer's tokens to their experts' engines and back.
+    ep: Any = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(x, self.router, self.top_k, self.renormalize)
+        if self.ep is not None:
+            return self.ep(self, x)
         if self.w13.shape[0] == self.router.shape[0]:
+            weights, ids = route(x, self.router, self.top_k, self.renormalize)
             return fused_moe(x, self.w13, self.w2, weights, ids)
+        return self.local_share(x)
+
+    def local_share(self, x: torch.Tensor) -> torch.Tensor:
+        """The weighted outputs of the experts held here, for every token of x."""
+        weights, ids = route(x, self.router, self.top_k, self.renormalize)
         # The pairs whose expert is here, with ids local to this rank.
         local = ids - self.first_expert
         mine = (local >= 0) & (local < self.w13.shape[0])
         tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
         keep = mine.reshape(-1)
-        op = _grouped_op(x)
+        op = grouped_op(x)
         return op(
             x, self.w13, self.w2, tokens[keep], local.reshape(-1)[keep], weights.reshape(-1)[keep]
         )
@@ -71,11 +83,11 @@ def fused_moe(
     """sum over each token's experts of weight * down(silu(gate(x)) * up(x)), in x's dtype."""
     tokens, k = ids.shape
     pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
-    op = _grouped_op(x)
+    op = grouped_op(x)
     return op(x, w13, w2, pair_token, ids.reshape(-1), weights.reshape(-1))
 
 
-def _grouped_op(x: torch.Tensor) -> Any:
+def grouped_op(x: torch.Tensor) -> Any:
     """The Triton kernel on CUDA (kernels/triton_ops/moe.py), the torch op elsewhere."""
     if x.is_cuda:
         from pagoda.kernels.triton_ops.moe import grouped_experts as triton_grouped

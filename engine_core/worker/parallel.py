@@ -214,6 +214,35 @@ def check_tensor_parallel(
         )
 
 
+def check_expert_parallel_engines(model_config: ModelConfig, config: Any) -> None:
+    """ValueError unless the experts can be split over the data-parallel engines
+    (`config` an EngineConfig with expert_parallel_engines set)."""
+    size = config.data_parallel_size
+    moe = model_config.moe
+    if moe is None:
+        raise ValueError("--enable-expert-parallel needs a mixture-of-experts model")
+    if config.executor_backend != "uni":
+        raise ValueError(
+            "expert parallelism across data-parallel engines runs each engine at one rank "
+            "(--tensor-parallel-size 1, --pipeline-parallel-size 1, the uni executor) for now"
+        )
+    if moe.num_experts % size:
+        raise ValueError(
+            f"the model's {moe.num_experts} experts do not divide by "
+            f"--data-parallel-size {size} (--enable-expert-parallel)"
+        )
+
+
+def engine_experts(model_config: ModelConfig, rank: int, size: int) -> ModelConfig:
+    """The model config of data-parallel engine `rank` of `size`: its share of the experts."""
+    moe = model_config.moe
+    assert moe is not None
+    share = moe.num_experts // size
+    return dataclasses.replace(
+        model_config, moe=dataclasses.replace(moe, local_experts=(rank * share, (rank + 1) * share))
+    )
+
+
 def rank_config(
     model_config: ModelConfig, tp: TensorParallel, expert_parallel: bool = False
 ) -> ModelConfig:

@@ -9,6 +9,7 @@ takes the same calls over a channel.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -20,19 +21,33 @@ from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import SchedulePlan, StepResult
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.worker.encoder_runner import EncoderRunner
+from pagoda.engine_core.worker.expert_parallel import (
+    ExpertExchange,
+    attach,
+    exchange_kind,
+    idle_pass,
+    join_world,
+)
 from pagoda.engine_core.worker.host_tier import TieredSlots, disk_slots
 from pagoda.engine_core.worker.kv_peer import KVPuller, KVServer
 from pagoda.engine_core.worker.model_runner import ModelRunner, resolve_device
 from pagoda.engine_core.worker.parallel import (
     TensorParallel,
+    check_expert_parallel_engines,
     check_pipeline_parallel,
     check_tensor_parallel,
+    engine_experts,
     pipeline_stage,
     rank_config,
     shared_memory_all_reduce,
     tensor_parallel_groups,
 )
 from pagoda.engine_core.worker.whisper_runner import WhisperRunner
+
+# How long the expert-parallel engines wait for each other (to meet, and in a
+# collective) before one gives up: a rank that dies closes its connections and
+# fails the others at once; this bounds a rank that hangs.
+EP_WORLD_TIMEOUT_S = 120.0
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
@@ -80,6 +95,22 @@ class Worker:
                 self.tp, resolve_device(config.device), f"{shm_tag}-s{self.stage.index}"
             )
             self.tp = TensorParallel(self.tp.rank, size, shm, group)
+        # Expert parallelism across data-parallel engines (worker/expert_parallel.py).
+        self.ep: ExpertExchange | None = None
+        if config.expert_parallel_engines:
+            check_expert_parallel_engines(model_config, config)
+            dp_rank, dp_size = config.data_parallel_rank, config.data_parallel_size
+            join_world(
+                dp_rank,
+                dp_size,
+                config.data_parallel_address,
+                config.data_parallel_rpc_port,
+                EP_WORLD_TIMEOUT_S,
+            )
+            self.ep = ExpertExchange(dp_rank, dp_size, exchange_kind())
+            model_config = engine_experts(model_config, dp_rank, dp_size)
+            # The exchange's sizes change every step: no CUDA graphs.
+            config = dataclasses.replace(config, enforce_eager=True)
         self.runner: ModelRunner | EncoderRunner
         if model_config.is_encoder:
             self.runner = EncoderRunner(config, model_config)
@@ -92,6 +123,8 @@ class Worker:
                 self.tp,
                 self.stage,
             )
+        if self.ep is not None:
+            attach(self._decoder("experts across engines").model.layers, self.ep)
         self._profiler: torch.profiler.profile | None = None
         # The PeerConnector (worker/kv_peer.py): this rank's block server (a
         # producer) and its pulls from producers' ranks (a consumer).
@@ -108,7 +141,21 @@ class Worker:
         return self.runner.allocate_kv_cache(num_blocks)
 
     def execute_model(self, plan: SchedulePlan) -> StepResult:
-        return self.runner.execute(plan)
+        result = self.runner.execute(plan)
+        if self.ep is not None and plan.is_empty:
+            self.execute_idle()  # the other engines' MoE layers still need this one
+        return result
+
+    def ep_any_work(self, mine: bool) -> bool:
+        """Whether any of the expert-parallel engines has work this step."""
+        assert self.ep is not None
+        return self.ep.any_work(mine)
+
+    @torch.inference_mode()
+    def execute_idle(self) -> None:
+        """A step with nothing to run here: join each MoE layer's exchange."""
+        assert self.ep is not None
+        idle_pass(self._decoder("experts across engines").model.layers)
 
     # -------------------------------------------------------- control calls
 
@@ -262,6 +309,11 @@ class Worker:
             self._kv_puller.close()
         if self.tp.shm is not None:
             self.tp.shm.close()
+        if self.ep is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def _decoder(self, what: str) -> ModelRunner:
         if isinstance(self.runner, EncoderRunner | WhisperRunner):

@@ -13,13 +13,13 @@ from tests.conftest import TINY_VOCAB_SIZE, build_lora_adapter, build_tiny_model
 from tests.engine_core.hf_reference import hf_greedy
 
 
-def add_word_tokenizer(directory: Path) -> None:
-    """A word-level tokenizer over the tiny vocabulary: "w5 w17" → [5, 17]."""
+def add_word_tokenizer(directory: Path, vocab_size: int = TINY_VOCAB_SIZE) -> None:
+    """A word-level tokenizer over a tiny vocabulary: "w5 w17" → [5, 17]."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(TINY_VOCAB_SIZE - 1)}
-    vocab["<eos>"] = TINY_VOCAB_SIZE - 1
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)}
+    vocab["<eos>"] = vocab_size - 1
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(directory)
