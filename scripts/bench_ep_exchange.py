@@ -1,15 +1,17 @@
-"""The two MoE exchanges of expert parallelism across data-parallel engines
+"""The MoE exchanges of expert parallelism across data-parallel engines
 (engine_core/worker/expert_parallel.py), timed per MoE layer call between 2
-processes on this host (gloo), against the same layer on one process holding
-every expert.
+processes on this host, against the layer without expert parallelism.
 
     python scripts/bench_ep_exchange.py                  # Qwen3-30B-A3B's layer sizes, bf16
     python scripts/bench_ep_exchange.py --hidden 64 --inter 32 --experts 8 --top-k 2
 
-Each rank holds half of the experts; both send the same number of tokens per
-call (--tokens, several values). Prints the median milliseconds of each
-exchange and of the one-process op (which computes all of a rank's tokens'
-experts itself). The threads are split between the processes (--threads each).
+The exchanges: through shared memory ("shm"), and over gloo ("allgather",
+"alltoall"). Each rank holds half of the experts; both send the same number of tokens per
+call (--tokens, several values). Prints the median milliseconds of a layer
+call with each exchange, and without expert parallelism ("every expert": both
+processes at once, each computing its own tokens with all of the experts, as
+two data-parallel engines that each hold the whole model do). Each process
+runs --threads threads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import torch
 import torch.multiprocessing as mp
 
 from pagoda.engine_core.models.moe import MoELayer, fused_moe, route
-from pagoda.engine_core.worker.expert_parallel import EXCHANGES, ExpertExchange, join_world
+from pagoda.engine_core.worker.expert_parallel import (
+    EXCHANGES,
+    ExpertExchange,
+    join_world,
+    shared_memory_exchange,
+)
+
+BASELINE = "every expert"
 
 
 def layer_weights(args: argparse.Namespace, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -54,22 +63,26 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, results: object) -
     half = args.experts // 2
     mine = slice(rank * half, (rank + 1) * half)
     layers = {
-        kind: MoELayer(
-            router, w13[mine], w2[mine], args.top_k, True, mine.start, ExpertExchange(rank, 2, kind)
-        )
+        kind: MoELayer(router, w13[mine], w2[mine], args.top_k, True, mine.start)
         for kind in EXCHANGES
     }
+    shm = shared_memory_exchange(
+        rank, 2, str(port), max(args.tokens), args.hidden, torch.device("cpu")
+    )
     for kind, layer in layers.items():
-        layer.ep = ExpertExchange(rank, 2, kind)
+        layer.ep = ExpertExchange(rank, 2, kind, shm=shm if kind == "shm" else None)
     for n in args.tokens:
         x = torch.randn(n, args.hidden, generator=torch.Generator().manual_seed(rank)).to(dtype)
         row = {"tokens": n}
         for kind, layer in layers.items():
             torch.distributed.barrier()
             row[kind] = timed(partial(layer, x), args.repeat)
+        # Without expert parallelism: both ranks at once, each its own tokens
+        # through every expert (two data-parallel engines that hold all of them).
+        weights, ids = route(x, router, args.top_k, True)
+        torch.distributed.barrier()
+        row[BASELINE] = timed(partial(fused_moe, x, w13, w2, weights, ids), args.repeat)
         if rank == 0:
-            weights, ids = route(x, router, args.top_k, True)
-            row["one process"] = timed(partial(fused_moe, x, w13, w2, weights, ids), args.repeat)
             results.put(row)  # type: ignore[attr-defined]
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -92,10 +105,10 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     mp.spawn(rank_main, args=(port, args, results), nprocs=2, join=True)
-    print(f"{'tokens/rank':>11} " + " ".join(f"{k:>12}" for k in (*EXCHANGES, "one process")))
+    print(f"{'tokens/rank':>11} " + " ".join(f"{k:>12}" for k in (*EXCHANGES, BASELINE)))
     while not results.empty():
         row = results.get()
-        cells = " ".join(f"{row[k]:>9.2f} ms" for k in (*EXCHANGES, "one process"))
+        cells = " ".join(f"{row[k]:>9.2f} ms" for k in (*EXCHANGES, BASELINE))
         print(f"{row['tokens']:>11} {cells}")
 
 

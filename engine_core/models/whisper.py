@@ -17,6 +17,7 @@ directories, loaders/ctranslate2.py for CTranslate2 ones).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,12 @@ import torch.nn.functional as F
 
 from pagoda.engine_core.attention import AttentionBackend
 from pagoda.engine_core.model_config import ModelConfig, WhisperConfig
+from pagoda.kernels.linear_int8 import Int8Weight, pack_int8, quantize_int8_per_channel
+
+# The linears `--quantization int8` quantizes: attention projections and the MLP's.
+_INT8_LINEAR = re.compile(
+    r"layers\.\d+\.(self_attn|encoder_attn)\.\w+_proj\.weight$|\.fc[12]\.weight$"
+)
 
 
 @dataclass
@@ -58,13 +65,22 @@ class WhisperForConditionalGeneration:
         self.scale = config.head_dim**-0.5
         self.eps = self.whisper.layer_norm_eps
         self.w: dict[str, torch.Tensor] = {}
+        # `--quantization int8`: the attention and MLP linears' int8 weights, by
+        # linear name (kernels/linear_int8.py); the convolutions, the embeddings
+        # (the head) and the norms stay in the model's dtype.
+        self.int8: dict[str, Int8Weight] = {}
 
-    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]], int8: bool = False) -> None:
         """Take (Hugging Face name, tensor) pairs; a k projection has no bias."""
         for name, tensor in pairs:
             name = name.removeprefix("model.")
             if name == "proj_out.weight":
                 continue  # tied to the token embedding
+            if int8 and _INT8_LINEAR.search(name):
+                self.int8[name.removesuffix(".weight")] = pack_int8(
+                    *quantize_int8_per_channel(tensor)
+                )
+                continue
             self.w[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
         w = self.config.whisper
         assert w is not None
@@ -166,6 +182,10 @@ class WhisperForConditionalGeneration:
     # -------------------------------------------------------------- helpers
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        q = self.int8.get(name)
+        if q is not None:
+            y = q.matmul(x.reshape(-1, x.shape[-1]), self.w.get(name + ".bias"))
+            return y.view(*x.shape[:-1], q.out_features)
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:

@@ -7,12 +7,16 @@ requests, KV cache and attention; only the MoE layers are shared. In every MoE
 layer the engines exchange their tokens so that each token reaches the ranks
 that hold its experts, and the outputs come back.
 
-Two exchanges, chosen by PAGODA_EP_EXCHANGE (scripts/bench_ep_exchange.py
-measures both; the default is the faster on this CPU, docs/benchmarks.md):
+The exchange, chosen by PAGODA_EP_EXCHANGE (scripts/bench_ep_exchange.py
+measures them, docs/benchmarks.md):
 
+- "shm" (the default where it can run: engines on one x86 host's CPUs, room
+  in /dev/shm; otherwise "allgather"): the all-gather below through shared
+  memory (worker/shm_allreduce.py), since gloo costs 0.3-1.7 ms a collective
+  on this host's loopback, several times what a small MoE layer computes.
 - "allgather": every rank gathers all ranks' tokens (padded to the largest
-  count), computes its experts' weighted share for all of them, and a
-  reduce-scatter hands each rank the sum for its own tokens.
+  count) over torch.distributed, computes its experts' weighted share for all
+  of them, and a reduce-scatter hands each rank the sum for its own tokens.
 - "alltoall": every rank routes its tokens and sends each (token, expert) pair
   only to the rank holding that expert (all-to-all with per-rank counts); the
   weighted outputs travel back the same way and are added per token.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -42,8 +47,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EXCHANGES = ("allgather", "alltoall")
-DEFAULT_EXCHANGE = "allgather"
+EXCHANGES = ("shm", "allgather", "alltoall")
+DEFAULT_EXCHANGE = "shm"
 
 
 def exchange_kind() -> str:
@@ -51,6 +56,51 @@ def exchange_kind() -> str:
     if kind not in EXCHANGES:
         raise ValueError(f"PAGODA_EP_EXCHANGE must be one of {', '.join(EXCHANGES)}, not {kind!r}")
     return kind
+
+
+def shared_memory_exchange(
+    rank: int, size: int, tag: str, max_rows: int, hidden: int, device: torch.device
+) -> Any:
+    """The engines' shared-memory buffers (SharedMemoryAllReduce), sized for
+    every rank's `max_rows` tokens of `hidden` float32 values, or None where the
+    engines are not all on one x86 host's CPUs or /dev/shm lacks the room.
+    Collective: every engine calls it, and all choose alike."""
+    import platform
+
+    import torch.distributed as dist
+
+    from pagoda.engine_core.worker.shm_allreduce import SharedMemoryAllReduce, bytes_needed
+
+    slot = 64 + size * max_rows * hidden * 4
+    slot = -(-slot // 64) * 64
+    try:
+        stat = os.statvfs("/dev/shm")
+        room = stat.f_bavail * stat.f_frsize >= 2 * bytes_needed(size, slot)
+    except OSError:
+        room = False
+    ok = room and device.type == "cpu" and platform.machine() in ("x86_64", "AMD64")
+    # One host: every engine sees the same hostname.
+    names: list[Any] = [None] * size
+    dist.all_gather_object(names, (socket.gethostname(), os.getpid()))
+    ok = ok and len({host for host, _ in names}) == 1
+    agreed = torch.tensor([int(ok)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if not agreed.item():
+        logger.warning("expert parallel: the engines exchange tokens over torch.distributed")
+        return None
+    shm = SharedMemoryAllReduce(rank, size, f"pagoda-ep-{tag}", slot)
+    pids = [pid for _, pid in names]
+    shm.peers_alive = lambda: all(_alive(pid) for pid in pids)
+    return shm
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (a zombie its parent has not reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def join_world(rank: int, size: int, address: str, port: int, timeout_s: float) -> None:
@@ -79,6 +129,7 @@ class ExpertExchange:
     size: int
     kind: str = DEFAULT_EXCHANGE
     group: Any = None  # None: the whole world
+    shm: Any = None  # the shared-memory buffers of kind "shm"
 
     def any_work(self, mine: bool) -> bool:
         """Whether any engine has work this step (every engine calls it once a step)."""
@@ -89,9 +140,32 @@ class ExpertExchange:
         return bool(flag.item())
 
     def __call__(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None:
+            return self._shared_memory(layer, x)
         if self.kind == "alltoall":
             return self._all_to_all(layer, x)
         return self._all_gather(layer, x)
+
+    def _shared_memory(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+        """The all-gather exchange through shared memory: every engine publishes
+        its tokens, computes its experts' share for all of them, publishes that,
+        and adds up the shares of its own tokens in rank order."""
+        parts = self.shm.exchange_rows(x)
+        if parts is None:
+            raise RuntimeError(f"{x.shape[0]} tokens do not fit the expert-parallel buffers")
+        counts = [len(p) for p in parts]
+        if not sum(counts):
+            return x
+        partial = layer.local_share(torch.cat(parts))  # a copy: the buffer is reused
+        shares = self.shm.exchange_rows(partial)
+        if shares is None:
+            raise RuntimeError(f"{partial.shape[0]} rows do not fit the expert-parallel buffers")
+        start = sum(counts[: self.rank])
+        mine = slice(start, start + x.shape[0])
+        out = shares[0][mine].clone()
+        for share in shares[1:]:
+            out += share[mine]
+        return out
 
     def _all_gather(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
 

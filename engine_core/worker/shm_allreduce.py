@@ -20,7 +20,9 @@ gloo.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -62,6 +64,9 @@ class SharedMemoryAllReduce:
         data = torch.frombuffer(self._shm.buf, dtype=torch.uint8, offset=header)
         self._buffers = data.view(2, size, slot_bytes)
         self._calls = 0
+        # Called now and then while waiting: False when a rank is gone for good
+        # (the wait then fails instead of spinning forever).
+        self.peers_alive: Callable[[], bool] | None = None
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor | None:
         """Publish x in this rank's slot and wait for every rank's: the slots,
@@ -73,11 +78,42 @@ class SharedMemoryAllReduce:
         call = self._calls
         slots = self._buffers[call & 1]
         slots[self.rank, :nbytes].view(x.dtype).copy_(x.reshape(-1))
+        self._publish(call)
+        return slots[:, :nbytes]
+
+    def _publish(self, call: int) -> None:
+        """Mark this rank's slot of `call` written and wait for every rank's."""
         self._flags[self.rank, 0] = call
         flags = self._flags[:, 0]
+        spins = 0
         while int(flags.min()) < call:
             os.sched_yield()
-        return slots[:, :nbytes]
+            spins += 1
+            if spins & 0xFFF == 0 and self.peers_alive is not None and not self.peers_alive():
+                raise RuntimeError("a rank of the shared-memory group is gone")
+
+    def exchange_rows(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's x ([rows, ...], the same trailing shape and dtype; the
+        rows may differ), in rank order, as views of the shared buffer valid
+        until this rank's next call but one; None when x does not fit."""
+        header = 64  # the rank's row count, then the rows (cache-line aligned)
+        nbytes = x.numel() * x.element_size()
+        if header + nbytes > self.slot_bytes or x.device.type != "cpu":
+            return None
+        self._calls += 1
+        call = self._calls
+        slots = self._buffers[call & 1]
+        mine = slots[self.rank]
+        mine[:8].view(torch.int64)[0] = x.shape[0]
+        mine[header : header + nbytes].view(x.dtype).copy_(x.reshape(-1))
+        self._publish(call)
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        out = []
+        for r in range(self.size):
+            rows = int(slots[r, :8].view(torch.int64)[0])
+            data = slots[r, header : header + rows * row_bytes].view(x.dtype)
+            out.append(data.view(rows, *x.shape[1:]))
+        return out
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor | None:
         """The ranks' x side by side along the last dimension; None when x does not fit."""

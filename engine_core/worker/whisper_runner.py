@@ -21,7 +21,7 @@ import torch
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.core.plan import NewRequestData, SchedulePlan
-from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.model_config import ModelConfig, ModelLoadError
 from pagoda.engine_core.models.whisper import CrossSegment, WhisperForConditionalGeneration
 from pagoda.engine_core.worker.model_runner import ModelRunner, _Inputs
 
@@ -48,7 +48,10 @@ class WhisperRunner(ModelRunner):
         model = WhisperForConditionalGeneration(
             self.model_config, self.dtype, self.device, self.backend
         )
-        model.load_weights(self._weight_pairs())
+        int8, stored = self._int8_weights()
+        if stored:
+            raise ModelLoadError("int8 checkpoints of Whisper are not supported: give its weights")
+        model.load_weights(self._weight_pairs(), int8)
         self.whisper = model  # self.model too, typed as ModelRunner's decoders
         return model
 

@@ -10,6 +10,7 @@ takes the same calls over a channel.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from pagoda.engine_core.worker.expert_parallel import (
     exchange_kind,
     idle_pass,
     join_world,
+    shared_memory_exchange,
 )
 from pagoda.engine_core.worker.host_tier import TieredSlots, disk_slots
 from pagoda.engine_core.worker.kv_peer import KVPuller, KVServer
@@ -43,6 +45,8 @@ from pagoda.engine_core.worker.parallel import (
     tensor_parallel_groups,
 )
 from pagoda.engine_core.worker.whisper_runner import WhisperRunner
+
+logger = logging.getLogger(__name__)
 
 # How long the expert-parallel engines wait for each other (to meet, and in a
 # collective) before one gives up: a rank that dies closes its connections and
@@ -107,8 +111,29 @@ class Worker:
                 config.data_parallel_rpc_port,
                 EP_WORLD_TIMEOUT_S,
             )
-            self.ep = ExpertExchange(dp_rank, dp_size, exchange_kind())
+            kind, shm = exchange_kind(), None
+            if kind == "shm":
+                # The most tokens a step of any engine runs (drafts included).
+                rows = (config.max_num_batched_tokens or 2048) + config.max_num_seqs
+                shm = shared_memory_exchange(
+                    dp_rank,
+                    dp_size,
+                    str(config.data_parallel_rpc_port),
+                    rows,
+                    model_config.hidden_size,
+                    resolve_device(config.device),
+                )
+                kind = "shm" if shm is not None else "allgather"
+            self.ep = ExpertExchange(dp_rank, dp_size, kind, shm=shm)
             model_config = engine_experts(model_config, dp_rank, dp_size)
+            assert model_config.moe is not None
+            logger.info(
+                "expert parallel: engine %d of %d holds experts %s, exchange %s",
+                dp_rank,
+                dp_size,
+                model_config.moe.local_experts,
+                kind,
+            )
             # The exchange's sizes change every step: no CUDA graphs.
             config = dataclasses.replace(config, enforce_eager=True)
         self.runner: ModelRunner | EncoderRunner
@@ -311,6 +336,9 @@ class Worker:
             self.tp.shm.close()
         if self.ep is not None:
             import torch.distributed as dist
+
+            if self.ep.shm is not None:
+                self.ep.shm.close()
 
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -17,6 +17,7 @@ from pagoda.engine_core.worker.expert_parallel import (
     ExpertExchange,
     idle_pass,
     join_world,
+    shared_memory_exchange,
 )
 
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 64, 32, 2
@@ -45,13 +46,16 @@ def _tokens(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
 def _rank(rank: int, port: int, failures: object) -> None:
     torch.set_num_threads(1)
     join_world(rank, 2, "127.0.0.1", port, 60)
+    shm = shared_memory_exchange(rank, 2, str(port), 32, HIDDEN, torch.device("cpu"))
+    if shm is None:
+        failures.put("no shared-memory exchange on this host")  # type: ignore[attr-defined]
     share = EXPERTS // 2
     mine = slice(rank * share, (rank + 1) * share)
     for dtype in (torch.float32, torch.bfloat16):
         router, w13, w2 = _weights(dtype)
         for kind in EXCHANGES:
             layer = MoELayer(router, w13[mine], w2[mine], TOP_K, True, first_expert=mine.start)
-            layer.ep = ExpertExchange(rank, 2, kind)
+            layer.ep = ExpertExchange(rank, 2, kind, shm=shm if kind == "shm" else None)
             for call in range(3):
                 x = _tokens(rank, call, dtype)
                 got = layer(x).float()
@@ -79,7 +83,14 @@ def _rank(rank: int, port: int, failures: object) -> None:
                     failures.put(f"rank 1 {kind} {dtype}: wrong while the other rank idled")  # type: ignore[attr-defined]
     assert ExpertExchange(rank, 2).any_work(rank == 1)  # one busy rank: both see work
     assert not ExpertExchange(rank, 2).any_work(False)
-    torch.distributed.destroy_process_group()
+    if rank == 1:
+        return  # gone: rank 0's next shared-memory wait must fail, not spin forever
+    try:
+        shm.exchange_rows(torch.zeros(1, HIDDEN))
+        failures.put("waited for a rank that is gone and got an answer")  # type: ignore[attr-defined]
+    except RuntimeError as e:
+        if "gone" not in str(e):
+            failures.put(f"the wrong error: {e}")  # type: ignore[attr-defined]
 
 
 def test_exchanges_match_one_rank_with_every_expert() -> None:
@@ -99,3 +110,56 @@ def test_unknown_exchange_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGODA_EP_EXCHANGE", "carrier-pigeon")
     with pytest.raises(ValueError, match="allgather, alltoall"):
         exchange_kind()
+
+
+def test_what_cannot_be_split_over_engines_is_refused(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from pagoda.engine_core.config import EngineConfig
+    from pagoda.engine_core.model_config import load_model_config
+    from pagoda.engine_core.worker.parallel import check_expert_parallel_engines
+    from tests.engine_core.test_moe import build
+
+    assert isinstance(tmp_path, Path)
+    mixtral = load_model_config(str(build("mixtral", tmp_path / "mixtral")))  # 6 experts
+    ok = EngineConfig(enable_expert_parallel=True, data_parallel_size=2)
+    assert ok.expert_parallel_engines
+    check_expert_parallel_engines(mixtral, ok)
+    with pytest.raises(ValueError, match="6 experts do not divide by --data-parallel-size 4"):
+        check_expert_parallel_engines(
+            mixtral, EngineConfig(enable_expert_parallel=True, data_parallel_size=4)
+        )
+    with pytest.raises(ValueError, match="one rank"):
+        check_expert_parallel_engines(
+            mixtral,
+            EngineConfig(enable_expert_parallel=True, data_parallel_size=2, tensor_parallel_size=2),
+        )
+
+
+def test_the_command_lines_refuse_what_does_not_fit() -> None:
+    import subprocess
+    import sys
+
+    engine = subprocess.run(
+        [sys.executable, "-m", "pagoda.engine_core.cli", "--data-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert engine.returncode == 2 and "--data-parallel-rank in [0, 2)" in engine.stderr
+    serve = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagoda.frontend.pagoda_cli",
+            "serve",
+            "--enable-elastic-ep",
+            "--enable-expert-parallel",
+            "--data-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert serve.returncode == 2 and "move experts" in serve.stderr

@@ -33,6 +33,7 @@ from pagoda.engine_core.model_config import (
     resolve_model_path,
     supported_tasks,
 )
+from pagoda.kernels.linear_int8 import int8_available
 from pagoda.protocol.messages import AddRequest
 from pagoda.protocol.sampling_params import SamplingParams
 from tests.engine_core.helpers import NUM_THREADS, run_to_completion
@@ -336,3 +337,23 @@ def test_hugging_face_safetensors_directory_gives_the_same_tokens(
     assert engine.model_config.whisper == config.whisper
     got = _transcribe(engine, [_request("hf", clips[0])])
     assert got["hf"] == reference[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not int8_available(), reason="the int8 kernel needs AVX512-VNNI")
+def test_int8_linears_keep_the_transcripts(
+    clips: list[np.ndarray], reference: list[list[int]]
+) -> None:
+    """`--quantization int8`: the attention and MLP linears in int8 (weights per
+    channel, activations per token and group); the words stay faster-whisper's
+    float32 ones on the clips."""
+    engine = _engine(kv_cache_memory_bytes=16 << 20, quantization="int8")
+    try:
+        model = engine.executor.worker.runner.whisper  # type: ignore[attr-defined]
+        # 4 encoder layers x 6 linears, 4 decoder layers x 10.
+        assert len(model.int8) == 64 and not any(k.endswith("fc1.weight") for k in model.w)
+        got = _transcribe(engine, [_request(f"q{i}", a) for i, a in enumerate(clips)])
+    finally:
+        engine.shutdown()
+    for i, want in enumerate(reference):
+        assert got[f"q{i}"] == want, f"clip {i}"

@@ -52,6 +52,9 @@ def test_experts_over_two_engines_match_transformers(tmp_path: Path) -> None:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_pagoda_healthy(base, pagoda)
+        # The engines share one host: the tokens go through shared memory.
+        assert "holds experts (0, 4), exchange shm" in pagoda.output()
+        assert "holds experts (4, 8), exchange shm" in pagoda.output()
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
 
         async def complete(ids: list[int]) -> list[int]:
