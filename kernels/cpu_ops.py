@@ -545,6 +545,38 @@ def linear_bf16_pairs(
     return _run(ops, "linear_bf16_pairs", x, packed, outs, bias, float_out, glu)
 
 
+def has_bf16_dense_attention() -> bool:
+    """Whether dense_attention runs here (the compiled kernel on AVX512-BF16)."""
+    ops = load_cpu_ops()
+    return ops is not None and bool(ops.has_bf16_dense_attention())
+
+
+def dense_attention(
+    q: torch.Tensor,  # [..., Sq, D] bfloat16
+    k: torch.Tensor,  # [..., Sk, D]
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v over whole sequences (kernels/csrc/dense_attention.h):
+    what F.scaled_dot_product_attention computes, in bfloat16 with float32
+    sums, without materialising the scores. Causal: key j seen by query i
+    when j <= i + Sk - Sq. Needs has_bf16_dense_attention()."""
+    if q.dtype != torch.bfloat16 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2]:
+        raise ValueError("dense_attention: bfloat16 q [..., Sq, D], k and v [..., Sk, D]")
+    lead, (sq, d), sk = q.shape[:-2], q.shape[-2:], k.shape[-2]
+    out = _run(
+        _required_ops(),
+        "dense_attention_bf16",
+        q.reshape(-1, sq, d),
+        k.reshape(-1, sk, d),
+        v.reshape(-1, sk, d),
+        float(scale),
+        causal,
+    )
+    return out.view(*lead, sq, d)
+
+
 def has_int8_vnni() -> bool:
     """Whether int8 linears can run on the AVX512-VNNI kernel here."""
     ops = load_cpu_ops()

@@ -4,7 +4,7 @@
 
 The clips are espeak-ng reading sentences (about 6-8 s each), as WAV. Pagoda
 runs as `pagoda serve --model Systran/faster-whisper-tiny.en` (float32, or
-`--dtype bfloat16`) and
+`--dtype bfloat16`, `--quantization int8`) and
 takes the clips through /v1/audio/transcriptions, one at a time and all at
 once; faster-whisper (CTranslate2) transcribes the same model.bin in float32
 and in int8 (its CPU default), greedy, one at a time and with as many
@@ -110,6 +110,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--dtype", default="float32", help="Pagoda's dtype (float32, bfloat16)")
+    parser.add_argument(
+        "--quantization", default=None, help="Pagoda's --quantization (int8: W8A8 linears)"
+    )
     args = parser.parse_args()
     clips = [speak(SENTENCES[i % len(SENTENCES)]) for i in range(args.clips)]
     wavs = [as_wav(c) for c in clips]
@@ -127,6 +130,7 @@ def main() -> None:
             str(args.port),
             "--dtype",
             args.dtype,
+            *(["--quantization", args.quantization] if args.quantization else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -149,7 +153,9 @@ def main() -> None:
         for rnd in range(args.repeat):  # alternated rounds
             for concurrent in (False, True):
                 label = "all at once" if concurrent else "one at a time"
-                name = f"pagoda {args.dtype}"
+                name = f"pagoda {args.dtype}" + (
+                    f" {args.quantization}" if args.quantization else ""
+                )
                 rows.append((rnd, name, label, run_pagoda(wavs, concurrent, base)))
                 for compute in ("float32", "int8"):
                     seconds = run_faster_whisper(clips, compute, concurrent)

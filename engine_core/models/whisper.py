@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from pagoda.engine_core.attention import AttentionBackend
 from pagoda.engine_core.model_config import ModelConfig, WhisperConfig
+from pagoda.kernels import cpu_ops
 from pagoda.kernels.linear_int8 import Int8Weight, pack_int8, quantize_int8_per_channel
 
 # The linears `--quantization int8` quantizes: attention projections and the MLP's.
@@ -69,6 +70,12 @@ class WhisperForConditionalGeneration:
         # linear name (kernels/linear_int8.py); the convolutions, the embeddings
         # (the head) and the norms stay in the model's dtype.
         self.int8: dict[str, Int8Weight] = {}
+        # The encoder's self-attention (1500 frames each way) in Pagoda's dense
+        # kernel where it runs: about twice torch's SDPA in bfloat16 on the CPU
+        # (kernels/csrc/dense_attention.h, docs/benchmarks.md).
+        self.dense_attention = (
+            device.type == "cpu" and dtype == torch.bfloat16 and cpu_ops.has_bf16_dense_attention()
+        )
 
     def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]], int8: bool = False) -> None:
         """Take (Hugging Face name, tensor) pairs; a k projection has no bias."""
@@ -116,7 +123,10 @@ class WhisperForConditionalGeneration:
             q = self._heads(self._linear(h, p + "self_attn.q_proj"))
             k = self._heads(self._linear(h, p + "self_attn.k_proj"))
             v = self._heads(self._linear(h, p + "self_attn.v_proj"))
-            attn = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [B, h, S, d]
+            if self.dense_attention:
+                attn = cpu_ops.dense_attention(q, k, v, self.scale)  # [B, h, S, d]
+            else:
+                attn = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
             x = x + self._linear(attn.transpose(1, 2).flatten(2), p + "self_attn.out_proj")
             x = x + self._mlp(self._norm(x, p + "final_layer_norm"), p)
         out = self._norm(x, "encoder.layer_norm")  # [B, frames, hidden]

@@ -1,5 +1,5 @@
 // Pagoda's compiled CPU kernels, one translation unit: paged attention
-// (attention.h), fused elementwise ops (elementwise.h), linear layers over
+// (attention.h), dense attention over whole sequences (dense_attention.h), fused elementwise ops (elementwise.h), linear layers over
 // a few rows (linear.h), bfloat16 linears on AVX512-BF16 (linear_bf16.h),
 // dynamic int8 linears on AVX512-VNNI (linear_int8.h),
 // the logits helpers (logits.h) and the sampler (sampling.h). Built once per
@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include "attention.h"
+#include "dense_attention.h"
 #include "elementwise.h"
 #include "linear.h"
 #include "linear_bf16.h"
@@ -78,5 +79,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_vnni", &has_int8_vnni, "whether int8 linears run on AVX512-VNNI here");
   m.def("linear_int8", &linear_int8,
         "x W^T (+ b) in dynamic W8A8 over weights packed by pack_int8 (CPU, AVX512-VNNI)");
+  m.def("has_bf16_dense_attention", &has_bf16_dense_attention,
+        "whether dense_attention_bf16 runs here (AVX512-BF16)");
+  m.def("dense_attention_bf16", &dense_attention_bf16,
+        "softmax(q k^T * scale) v per sequence, optionally causal, bfloat16 (CPU, AVX512-BF16)");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of q and k in place (CPU)");
 }

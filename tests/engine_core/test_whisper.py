@@ -33,6 +33,7 @@ from pagoda.engine_core.model_config import (
     resolve_model_path,
     supported_tasks,
 )
+from pagoda.kernels import cpu_ops
 from pagoda.kernels.linear_int8 import int8_available
 from pagoda.protocol.messages import AddRequest
 from pagoda.protocol.sampling_params import SamplingParams
@@ -341,13 +342,22 @@ def test_hugging_face_safetensors_directory_gives_the_same_tokens(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not int8_available(), reason="the int8 kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_linears_keep_the_transcripts(
-    clips: list[np.ndarray], reference: list[list[int]]
+    clips: list[np.ndarray], reference: list[list[int]], dtype: str
 ) -> None:
     """`--quantization int8`: the attention and MLP linears in int8 (weights per
     channel, activations per token and group); the words stay faster-whisper's
     float32 ones on the clips."""
-    engine = _engine(kv_cache_memory_bytes=16 << 20, quantization="int8")
+    engine = EngineCore(
+        EngineConfig(
+            model=MODEL_NAME,
+            num_threads=NUM_THREADS,
+            dtype=dtype,
+            kv_cache_memory_bytes=16 << 20,
+            quantization="int8",
+        )
+    )
     try:
         model = engine.executor.worker.runner.whisper  # type: ignore[attr-defined]
         # 4 encoder layers x 6 linears, 4 decoder layers x 10.
@@ -357,3 +367,27 @@ def test_int8_linears_keep_the_transcripts(
         engine.shutdown()
     for i, want in enumerate(reference):
         assert got[f"q{i}"] == want, f"clip {i}"
+
+
+@pytest.mark.slow
+def test_bfloat16_with_the_dense_encoder_attention_keeps_the_transcripts(
+    clips: list[np.ndarray], reference: list[list[int]]
+) -> None:
+    """bfloat16 (the default where the CPU computes in it) with the encoder's
+    attention in Pagoda's dense kernel: faster-whisper's float32 tokens."""
+    engine = EngineCore(
+        EngineConfig(
+            model=MODEL_NAME,
+            num_threads=NUM_THREADS,
+            dtype="bfloat16",
+            kv_cache_memory_bytes=16 << 20,
+        )
+    )
+    try:
+        model = engine.executor.worker.runner.whisper  # type: ignore[attr-defined]
+        assert model.dense_attention == cpu_ops.has_bf16_dense_attention()
+        got = _transcribe(engine, [_request(f"b{i}", a) for i, a in enumerate(clips)])
+    finally:
+        engine.shutdown()
+    same = [got[f"b{i}"] == want for i, want in enumerate(reference)]
+    assert all(same), same

@@ -989,3 +989,58 @@ def test_compiled_ops_are_named_in_a_profile() -> None:
         cpu_ops.silu_and_mul(torch.randn(2, 64))
     names = {event.name for event in prof.events()}
     assert {"pagoda::linear_q4_small_rows", "pagoda::silu_and_mul"} <= names
+
+
+needs_dense = pytest.mark.skipif(
+    not (cpu_ops.load_cpu_ops() is not None and cpu_ops.has_bf16_dense_attention()),
+    reason="the dense attention kernel needs AVX512-BF16",
+)
+
+
+@needs_dense
+@pytest.mark.parametrize(
+    ("n", "sq", "sk", "d", "causal"),
+    [
+        (1, 1, 1, 64, False),
+        (2, 5, 5, 64, True),
+        (3, 37, 37, 64, False),  # rows across register blocks of 8 and 4, keys across tiles
+        (2, 17, 40, 32, True),  # queries the last 17 of 40 positions
+        (1, 70, 130, 96, False),  # a head size that is an odd multiple of 32
+        (2, 33, 33, 128, True),
+    ],
+)
+def test_dense_attention_is_the_softmax_of_bf16_products(
+    n: int, sq: int, sk: int, d: int, causal: bool
+) -> None:
+    """softmax(q k^T * scale) v in float32 sums over the bfloat16 inputs, the
+    probabilities rounded to bfloat16 before they meet v (as the kernel
+    multiplies them), the output rounded once: against plain torch in float64,
+    and within bfloat16 rounding of float32 SDPA."""
+    gen = torch.Generator().manual_seed(sq * 31 + sk + d)
+    q, k, v = (torch.randn(n, 2, s, d, generator=gen).bfloat16() for s in (sq, sk, sk))
+    scale = d**-0.5
+    got = cpu_ops.dense_attention(q, k, v, scale, causal)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        seen = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+        scores = scores.masked_fill(~seen, float("-inf"))
+    p = torch.exp(scores - scores.amax(-1, keepdim=True)).float().bfloat16().double()
+    want = (p @ v.double()) / p.sum(-1, keepdim=True)
+    assert (got.double() - want).abs().max().item() <= 2**-7 * want.abs().max().item() + 1e-3
+    mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq) if causal else None
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=scale
+    )
+    assert (got.float() - sdpa).abs().max().item() < 2e-2
+
+
+@needs_dense
+def test_dense_attention_refuses_what_it_does_not_run() -> None:
+    q = torch.randn(1, 4, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_ops.dense_attention(q, q, q, 0.1)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_ops.dense_attention(q.float(), q.float(), q.float(), 0.1)
+    with pytest.raises(RuntimeError, match="causal"):
+        cpu_ops.dense_attention(torch.randn(1, 5, 32).bfloat16(), q[..., :32], q[..., :32], 1, True)
