@@ -83,6 +83,19 @@ class DPClient:
         self.routable = len(self.clients)
         self._sum_blocks()
 
+    def promote_last(self, n: int) -> None:
+        """Move the last n engines to the front (the ones to keep when the
+        others retire), their requests' owners renumbered with them."""
+        total = len(self.clients)
+        order = list(range(total - n, total)) + list(range(total - n))
+        where = {old: new for new, old in enumerate(order)}
+        self._owner = {rid: where[i] for rid, i in self._owner.items()}
+        self.clients = [self.clients[i] for i in order]
+        self._readies = [self._readies[i] for i in order]
+        self._sent_since_stats = [self._sent_since_stats[i] for i in order]
+        self._stats_seen = [self._stats_seen[i] for i in order]
+        self.num_routed = [self.num_routed[i] for i in order]
+
     async def retire(self, keep: int, drain_timeout: float) -> bool:
         """Route nothing more to the engines past the first `keep`; once their
         requests have ended, detach them. False (and every engine routable

@@ -20,9 +20,17 @@ now: from then on their death stops it, as any engine's does) and `stop`
 While a scale runs, new generation requests are refused with 503 and
 `Retry-After` (the in-flight ones go on); `/health`, `/metrics`, `/load`
 and `/is_scaling_elastic_ep` answer as usual. The scaling state is cleared
-when the scale ends, however it ends. Every engine holds the whole model
-(its tensor-parallel ranks split it, experts included with
---enable-expert-parallel), so nothing is moved between engines.
+when the scale ends, however it ends.
+
+Without --enable-expert-parallel every engine holds the whole model (its
+tensor-parallel ranks split it), so a scale adds or removes engines and
+moves nothing. With it, the engines split the experts among themselves
+(worker/expert_parallel.py) in one torch.distributed world whose size is
+fixed, so a scale N → M (`replace`) starts M new engines in a new world
+(each loading its 1/M of the experts) while the N old ones serve; once all
+M answer, new requests go to them, the old ones finish what they run (up
+to `drain_timeout`; past it the new engines are stopped and the old serve
+on, 408) and stop. Memory holds both generations for the while.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from pagoda.frontend.dp_client import DPClient
 
 SUPERVISOR_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 300.0
+# A replacement that failed: how long the new engines' requests may take to end.
+ROLLBACK_DRAIN_S = 3600.0
 
 
 class ScaleError(Exception):
@@ -101,7 +111,10 @@ class ElasticScaler:
         self.scaling = True
         started = time.monotonic()
         try:
-            if new_size > self.size:
+            mode = await self.supervisor.call({"op": "mode"})
+            if mode["replace"]:
+                await self._replace(new_size, drain_timeout, int(mode["generation"]))
+            elif new_size > self.size:
                 await self._up(new_size)
             else:
                 await self._down(new_size, drain_timeout)
@@ -112,13 +125,44 @@ class ElasticScaler:
     async def _up(self, new_size: int) -> None:
         ranks = list(range(self.size, new_size))
         reply = await self.supervisor.call({"op": "start", "ranks": ranks})
-        attach = asyncio.ensure_future(self.client.add_engines(reply["addresses"], START_TIMEOUT_S))
+        await self._attach(reply["addresses"], ranks, 0)
+        await self.supervisor.call({"op": "commit", "ranks": ranks})
+
+    async def _replace(self, new_size: int, drain_timeout: float, generation: int) -> None:
+        """Experts split over the engines: start `new_size` engines in a new
+        expert-parallel world while the old ones serve, route to them once all
+        are ready, then let the old ones finish their requests and stop them."""
+        old = self.size
+        reply = await self.supervisor.call({"op": "replace", "size": new_size})
+        new, ranks = int(reply["generation"]), list(range(new_size))
+        await self._attach(reply["addresses"], ranks, new)
+        self.client.promote_last(new_size)
+        if not await self.client.retire(new_size, drain_timeout):
+            # The old engines still run requests: they serve on and the new ones
+            # go once the requests routed to them meanwhile have ended.
+            self.client.promote_last(old)
+            await self.client.retire(old, ROLLBACK_DRAIN_S)
+            await self._stop(ranks, new)
+            raise ScaleError(
+                408,
+                f"requests on the engines to replace did not finish within {drain_timeout:g} s; "
+                f"still serving {old} data parallel engines",
+            )
+        await self.supervisor.call({"op": "commit", "ranks": ranks, "generation": new})
+        await self._stop(list(range(old)), generation)
+
+    async def _attach(self, addresses: list[str], ranks: list[int], generation: int) -> None:
+        """Attach the engines the supervisor started, watching them while they
+        load; any that dies or does not answer in time: stopped, ScaleError."""
+        attach = asyncio.ensure_future(self.client.add_engines(addresses, START_TIMEOUT_S))
         try:
             while not attach.done():
                 done, _ = await asyncio.wait({attach}, timeout=0.5)
                 if done:
                     break
-                status = await self.supervisor.call({"op": "status", "ranks": ranks})
+                status = await self.supervisor.call(
+                    {"op": "status", "ranks": ranks, "generation": generation}
+                )
                 dead = [r for r, alive in zip(ranks, status["alive"], strict=True) if not alive]
                 if dead:
                     attach.cancel()
@@ -129,14 +173,13 @@ class ElasticScaler:
                     )
             attach.result()
         except ScaleError:
-            await self._stop(ranks)
+            await self._stop(ranks, generation)
             raise
         except Exception as e:  # noqa: BLE001 - any failure to attach rolls back
-            await self._stop(ranks)
+            await self._stop(ranks, generation)
             raise ScaleError(
                 500, f"the new engine cores did not start ({e}); still serving {self.size}"
             ) from None
-        await self.supervisor.call({"op": "commit", "ranks": ranks})
 
     async def _down(self, new_size: int, drain_timeout: float) -> None:
         old = self.size
@@ -148,8 +191,11 @@ class ElasticScaler:
             )
         await self._stop(list(range(new_size, old)))
 
-    async def _stop(self, ranks: list[int]) -> None:
+    async def _stop(self, ranks: list[int], generation: int | None = None) -> None:
+        call: dict[str, Any] = {"op": "stop", "ranks": ranks}
+        if generation is not None:
+            call["generation"] = generation
         try:
-            await self.supervisor.call({"op": "stop", "ranks": ranks}, timeout=60.0)
+            await self.supervisor.call(call, timeout=60.0)
         except ScaleError:
             pass  # the supervisor reaps what it can; the scale's answer says what failed

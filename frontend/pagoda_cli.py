@@ -72,7 +72,9 @@ def _serve(ns: argparse.Namespace) -> int:
                 "--data-parallel-rpc-port",
                 str(ep_port),
             ]
-        name = "engine-core" if len(addresses) == 1 else f"engine-core {i}"
+        # Elastic scaling names every engine by its rank (the supervisor's names).
+        single = len(addresses) == 1 and not ns.enable_elastic_ep
+        name = "engine-core" if single else f"engine-core {i}"
         engines.append((name, subprocess.Popen(engine_argv, preexec_fn=die_with_parent())))
     api_argv = [
         python,
@@ -88,7 +90,7 @@ def _serve(ns: argparse.Namespace) -> int:
         api_argv += ["--curve-keys", ns.curve_keys]
     supervisor: Supervisor | None = None
     if ns.enable_elastic_ep:
-        supervisor = Supervisor(address, engine_flags, engines)
+        supervisor = Supervisor(address, engine_flags, engines, ns.enable_expert_parallel)
         api_argv += ["--elastic-ep-supervisor", supervisor.address]
     api_env = dict(os.environ)
     metrics_dir = None
@@ -148,6 +150,9 @@ class Supervisor:
 
     Engines started for a scale are pending until committed: one that dies
     then fails that scale only; committed ones are watched like the rest.
+    With the experts split over the engines (--enable-expert-parallel), a
+    scale starts a new generation of engines in a new expert-parallel world
+    (`replace`) instead of adding ranks to the running one.
     """
 
     def __init__(
@@ -155,13 +160,16 @@ class Supervisor:
         address: str,
         engine_flags: list[str],
         engines: list[tuple[str, subprocess.Popen[bytes]]],
+        experts_split: bool = False,
     ) -> None:
         import zmq
 
         self.base = address
         self.engine_flags = engine_flags
         self.engines = engines  # the watched list, shared with _serve's loop
-        self.pending: dict[int, subprocess.Popen[bytes]] = {}
+        self.experts_split = experts_split
+        self.generation = 0  # the running engines' (0: those pagoda serve started)
+        self.pending: dict[str, subprocess.Popen[bytes]] = {}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.linger = 0
@@ -179,7 +187,9 @@ class Supervisor:
         while self._sock.poll(0):
             try:
                 call = msgspec.msgpack.decode(self._sock.recv())
-                reply = self._answer(call["op"], [int(r) for r in call.get("ranks", [])])
+                ranks = [int(r) for r in call.get("ranks", [])]
+                generation = int(call.get("generation", self.generation))
+                reply = self._answer(call["op"], ranks, generation, int(call.get("size", 0)))
             except Exception as e:  # noqa: BLE001 - every call gets an answer
                 reply = {"error": str(e) or repr(e)}
             try:
@@ -187,30 +197,55 @@ class Supervisor:
             except zmq.ZMQError:
                 pass
 
-    def _answer(self, op: str, ranks: list[int]) -> dict[str, object]:
-        if op == "start":
+    @staticmethod
+    def name(rank: int, generation: int) -> str:
+        return f"engine-core {rank}" if generation == 0 else f"engine-core g{generation}-{rank}"
+
+    def _answer(self, op: str, ranks: list[int], generation: int, size: int) -> dict[str, object]:
+        if op == "mode":
+            return {"replace": self.experts_split, "generation": self.generation}
+        if op == "start":  # more ranks of the running generation
             addresses = dp_addresses(self.base, max(ranks) + 1)
             for rank in ranks:
-                argv = [sys.executable, "-m", "pagoda.engine_core.cli"]
-                argv += ["--address", addresses[rank], *self.engine_flags]
-                argv += ["--data-parallel-rank", str(rank)]
-                self.pending[rank] = subprocess.Popen(argv, preexec_fn=die_with_parent())
+                self._spawn(rank, generation, addresses[rank], [])
             return {"addresses": [addresses[r] for r in ranks]}
+        if op == "replace":  # a new generation of `size` engines, experts split over them
+            if not self.base.startswith("ipc://"):
+                raise ValueError("resizing engines that split the experts needs ipc addresses")
+            new = self.generation + 1
+            addresses = dp_addresses(f"{self.base}-g{new}", size)
+            flags = []
+            if size > 1:
+                flags = ["--data-parallel-size", str(size), "--data-parallel-address", "127.0.0.1"]
+                flags += ["--data-parallel-rpc-port", str(_free_port())]
+            for rank in range(size):
+                self._spawn(rank, new, addresses[rank], flags)
+            return {"addresses": addresses, "generation": new}
+        names = [self.name(r, generation) for r in ranks]
         if op == "status":
-            return {"alive": [r in self.pending and self.pending[r].poll() is None for r in ranks]}
+            return {"alive": [n in self.pending and self.pending[n].poll() is None for n in names]}
         if op == "commit":
-            for rank in ranks:
-                self.engines.append((f"engine-core {rank}", self.pending.pop(rank)))
+            for name in names:
+                self.engines.append((name, self.pending.pop(name)))
+            self.generation = max(self.generation, generation)
             return {"ok": True}
         if op == "stop":
-            procs = [self.pending.pop(r) for r in ranks if r in self.pending]
+            procs = [self.pending.pop(n) for n in names if n in self.pending]
             for name, proc in list(self.engines):
-                if name in {f"engine-core {r}" for r in ranks}:
+                if name in names:
                     self.engines.remove((name, proc))
                     procs.append(proc)
             _stop([("engine-core", p) for p in procs], 15)
             return {"ok": True}
         raise ValueError(f"unknown supervisor call {op!r}")
+
+    def _spawn(self, rank: int, generation: int, address: str, flags: list[str]) -> None:
+        argv = [sys.executable, "-m", "pagoda.engine_core.cli"]
+        argv += ["--address", address, *self.engine_flags, *flags]
+        argv += ["--data-parallel-rank", str(rank)]
+        self.pending[self.name(rank, generation)] = subprocess.Popen(
+            argv, preexec_fn=die_with_parent()
+        )
 
     def close(self) -> None:
         _stop([("engine-core", p) for p in self.pending.values()], 15)
@@ -332,11 +367,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--data-parallel-size must be at least 1")
         if ns.enable_elastic_ep and ns.api_server_count != 1:
             parser.error("--enable-elastic-ep runs with one API server (--api-server-count 1)")
-        if ns.enable_elastic_ep and ns.enable_expert_parallel:
-            parser.error(
-                "--enable-elastic-ep with --enable-expert-parallel is not supported yet: "
-                "resizing would have to move experts between the engines"
-            )
         return _serve(ns)
     return 2
 

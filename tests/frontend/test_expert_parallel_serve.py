@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +23,14 @@ from transformers import AutoModelForCausalLM
 from tests.engine_core.helpers import random_prompts
 from tests.engine_core.hf_reference import hf_greedy
 from tests.engine_core.test_moe import VOCAB, build
-from tests.frontend.servers import child_pids, cmdline, free_port, start_pagoda, wait_pagoda_healthy
+from tests.frontend.servers import (
+    child_pids,
+    cmdline,
+    free_port,
+    is_gone,
+    start_pagoda,
+    wait_pagoda_healthy,
+)
 from tests.frontend.test_lora_sdk import add_word_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -95,3 +104,100 @@ def test_experts_over_two_engines_match_transformers(tmp_path: Path) -> None:
         if pagoda.proc.poll() is None:
             os.killpg(pagoda.proc.pid, signal.SIGKILL)
             pagoda.proc.wait()
+
+
+def test_scale_engines_that_split_the_experts_while_requests_run(tmp_path: Path) -> None:
+    """--enable-elastic-ep with --enable-expert-parallel: 1 → 2 → 1 engines while
+    a client keeps requests in flight. Each scale starts a new generation of
+    engines (a new expert-parallel world) beside the old; every request
+    completes with transformers' tokens or is refused with 503 + Retry-After;
+    the old generation's processes are gone after each scale."""
+    path = build("qwen3_moe", tmp_path / "qwen3_moe")
+    add_word_tokenizer(path, VOCAB)
+    prompts = [[t % (VOCAB - 1) for t in p] for p in random_prompts(5, 4, VOCAB, 4, 24)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = hf_greedy(hf, prompts, 6)
+    port = free_port()
+    flags = ("--model", str(path), "--dtype", "float32", "--kv-cache-memory-bytes", str(8 << 20))
+    pagoda = start_pagoda(
+        port,
+        flags,
+        "--enable-expert-parallel",
+        "--enable-elastic-ep",
+        "--admin-api-key",
+        "k",
+        "--num-threads",
+        "1",
+    )
+    base = f"http://127.0.0.1:{port}"
+    outcomes: list[tuple[int, int, list[int] | None, str | None]] = []
+    stop = threading.Event()
+
+    def engines() -> list[str]:
+        names = [" ".join(cmdline(p)) for p in child_pids(pagoda.proc.pid) if not is_gone(p)]
+        return [n for n in names if "engine-core" in n]
+
+    def client(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            body = {
+                "prompt": prompts[i % len(prompts)],
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "skip_special_tokens": False,
+            }
+            r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+            tokens = None
+            if r.status_code == 200:
+                words = r.json()["choices"][0]["text"].split()
+                tokens = [VOCAB - 1 if w == "<eos>" else int(w[1:]) for w in words]
+            outcomes.append((i % len(prompts), r.status_code, tokens, r.headers.get("retry-after")))
+            if r.status_code == 503:
+                time.sleep(0.2)
+            i += 1
+
+    def scale(size: int) -> httpx.Response:
+        return httpx.post(
+            base + "/scale_elastic_ep",
+            json={"new_data_parallel_size": size, "drain_timeout": 60},
+            headers={"Authorization": "Bearer k"},
+            timeout=300,
+        )
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    try:
+        wait_pagoda_healthy(base, pagoda)
+        for t in threads:
+            t.start()
+        time.sleep(1)
+        up = scale(2)
+        assert up.status_code == 200, up.text
+        assert up.json()["new_data_parallel_size"] == 2
+        assert "holds experts (4, 8), exchange shm" in pagoda.output()
+        running = engines()
+        assert len(running) == 2 and all("--data-parallel-size 2" in n for n in running)
+        time.sleep(1)
+        down = scale(1)
+        assert down.status_code == 200, down.text
+        running = engines()
+        assert len(running) == 1 and "--data-parallel-size" not in running[0]
+        time.sleep(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+        if pagoda.proc.poll() is None:
+            os.killpg(pagoda.proc.pid, signal.SIGTERM)
+            try:
+                pagoda.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                os.killpg(pagoda.proc.pid, signal.SIGKILL)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    served = [o for o in outcomes if o[1] == 200]
+    assert served, "no request was served"
+    for index, status, tokens, retry_after in outcomes:
+        if status == 200:
+            assert tokens == expected[index]
+        else:
+            assert status == 503 and retry_after is not None, (status, tokens)
