@@ -171,15 +171,20 @@ def test_scale_engines_that_split_the_experts_while_requests_run(tmp_path: Path)
         for t in threads:
             t.start()
         time.sleep(1)
+        started = time.monotonic()
         up = scale(2)
+        up_s = time.monotonic() - started
         assert up.status_code == 200, up.text
         assert up.json()["new_data_parallel_size"] == 2
         assert "holds experts (4, 8), exchange shm" in pagoda.output()
         running = engines()
         assert len(running) == 2 and all("--data-parallel-size 2" in n for n in running)
         time.sleep(1)
+        started = time.monotonic()
         down = scale(1)
+        down_s = time.monotonic() - started
         assert down.status_code == 200, down.text
+        print(f"scale 1 -> 2: {up_s:.1f} s; 2 -> 1: {down_s:.1f} s; {len(outcomes)} requests")
         running = engines()
         assert len(running) == 1 and "--data-parallel-size" not in running[0]
         time.sleep(1)
