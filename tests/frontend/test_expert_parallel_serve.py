@@ -88,6 +88,29 @@ def test_experts_over_two_engines_match_transformers(tmp_path: Path) -> None:
         stats = httpx.get(base + "/stats", timeout=30).json()
         assert all(n >= 1 for n in stats["num_routed"]), stats["num_routed"]
 
+        # Logprobs: transformers' log-softmax at each chosen token, within 1e-4.
+        body = {
+            "prompt": prompts[2],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 1,
+        }
+        got = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        token_logprobs = got["choices"][0]["logprobs"]["token_logprobs"]
+        with torch.no_grad():
+            ids = torch.tensor([prompts[2] + expected[2]])
+            logits = hf(ids).logits[0, len(prompts[2]) - 1 : -1].float()
+        want_lp = torch.log_softmax(logits, -1)[torch.arange(8), torch.tensor(expected[2])]
+        assert max(abs(a - b) for a, b in zip(token_logprobs, want_lp.tolist(), strict=True)) < 1e-4
+        # Seeds: the same sampled tokens whichever engine takes the request.
+        body = {"prompt": prompts[3], "max_tokens": 8, "temperature": 1.0, "seed": 7}
+        texts = {
+            httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            for _ in range(4)
+        }
+        assert len(texts) == 1
+
         # Kill one engine: the other's next exchange fails, it says why and exits.
         engines = [
             p for p in child_pids(pagoda.proc.pid) if "engine-core-1" in " ".join(cmdline(p))
