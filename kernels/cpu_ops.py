@@ -552,8 +552,8 @@ def has_bf16_dense_attention() -> bool:
 
 
 def dense_attention(
-    q: torch.Tensor,  # [..., Sq, D] bfloat16
-    k: torch.Tensor,  # [..., Sk, D]
+    q: torch.Tensor,  # [..., heads, Sq, D] bfloat16
+    k: torch.Tensor,  # [..., kv_heads, Sk, D]: heads / kv_heads query heads share each
     v: torch.Tensor,
     scale: float,
     causal: bool = False,
@@ -562,8 +562,8 @@ def dense_attention(
     what F.scaled_dot_product_attention computes, in bfloat16 with float32
     sums, without materialising the scores. Causal: key j seen by query i
     when j <= i + Sk - Sq. Needs has_bf16_dense_attention()."""
-    if q.dtype != torch.bfloat16 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2]:
-        raise ValueError("dense_attention: bfloat16 q [..., Sq, D], k and v [..., Sk, D]")
+    if q.dtype != torch.bfloat16 or k.shape != v.shape or q.shape[:-3] != k.shape[:-3]:
+        raise ValueError("dense_attention: bfloat16 q [..., H, Sq, D], k and v [..., KVH, Sk, D]")
     lead, (sq, d), sk = q.shape[:-2], q.shape[-2:], k.shape[-2]
     out = _run(
         _required_ops(),

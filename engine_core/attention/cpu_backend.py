@@ -157,6 +157,15 @@ def paged_attention(
         )
         if index is not None:
             out.index_copy_(0, index, rows)
+    # Long prompt chunks in bfloat16: Pagoda's dense kernel (kernels/csrc/
+    # dense_attention.h), about 3x torch's SDPA with a causal mask on this CPU.
+    dense = (
+        bool(meta.prefills)
+        and query.dtype == torch.bfloat16
+        and query.shape[-1] % 32 == 0
+        and query.device.type == "cpu"
+        and cpu_ops.has_bf16_dense_attention()
+    )
     for seq in meta.prefills:
         if seq.compiled:
             continue
@@ -168,7 +177,9 @@ def paged_attention(
         else:
             k = k_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]
             v = v_cache[seq.block_ids].flatten(0, 1)[: seq.context_len]
-        out[seq.query_start : seq.query_start + seq.query_len] = prefill_attention(q, k, v, scale)
+        out[seq.query_start : seq.query_start + seq.query_len] = prefill_attention(
+            q, k, v, scale, dense
+        )
     return out
 
 
@@ -207,8 +218,15 @@ def prefill_attention(
     key: torch.Tensor,  # [ctx_len, kv_heads, head_dim]
     value: torch.Tensor,
     scale: float,
+    dense: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of the last q_len positions of a ctx_len sequence."""
+    """Causal attention of the last q_len positions of a ctx_len sequence
+    (`dense`: in the compiled bfloat16 kernel, else SDPA)."""
+    if dense:
+        out = cpu_ops.dense_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), scale, causal=True
+        )
+        return out.transpose(0, 1)
     q_len, ctx_len = query.shape[0], key.shape[0]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
     k = key.transpose(0, 1).unsqueeze(0)
@@ -239,15 +257,18 @@ class CpuBackend(AttentionBackend):
         self.compiled_attention = self.compiled_ops and head_dim in cpu_ops.SUPPORTED_HEAD_DIMS
         self.name = "cpu-compiled" if self.compiled_ops else "cpu-torch"
         # Prompt tokens through the same kernel, one query row per token, for
-        # the sequences it attends faster than per-sequence SDPA: all of them
-        # in its AVX512-BF16 form; otherwise those of at most
-        # COMPILED_PROMPT_MAX_LEN positions (a short prompt's SDPA call is
-        # mostly fixed cost; past that, SDPA's blocked matmuls win).
-        # None: no limit.
+        # the sequences it attends faster than per-sequence attention: those
+        # of at most COMPILED_PROMPT_MAX_LEN positions (a short prompt's SDPA
+        # call is mostly fixed cost; past that, SDPA's blocked matmuls win, and
+        # in bfloat16 the dense kernel more so: a 4096-token prompt's prefill
+        # 5.8-6.4 s through this kernel, 4.5-4.6 s with the dense one past 256
+        # positions, docs/benchmarks.md); all of them in the kernel's
+        # AVX512-BF16 form when there is no dense kernel. None: no limit.
         self.compiled_prompt_max_len: int | None = 0
         if self.compiled_attention:
             fast = dtype == torch.bfloat16 and cpu_ops.has_bf16_attention()
-            self.compiled_prompt_max_len = None if fast else COMPILED_PROMPT_MAX_LEN
+            dense = dtype == torch.bfloat16 and cpu_ops.has_bf16_dense_attention()
+            self.compiled_prompt_max_len = None if fast and not dense else COMPILED_PROMPT_MAX_LEN
 
     def kv_cache(
         self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int

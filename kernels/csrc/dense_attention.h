@@ -3,8 +3,9 @@
 // that are not in a paged cache: Whisper's encoder (1500 frames attending to
 // each other), and long prompt chunks.
 //
-// q [N, Sq, D], k and v [N, Sk, D], contiguous, D a multiple of 32. For each
-// of the N sequences the keys are packed once into tiles of 16 keys x D/2
+// q [N, Sq, D], k and v [N / group, Sk, D] (query heads share their group's
+// key/value head), D a multiple of 32. For each key sequence the keys are
+// packed once into tiles of 16 keys x D/2
 // pairs ([Sk/16][D/2][16][2]: one 64-byte load is 16 keys x 2 dimensions,
 // the operand `vdpbf16ps` multiplies by a broadcast pair of a query row) and
 // the values into pairs of keys ([Sk/2][D][2]: 16 dimensions x 2 keys). Then
@@ -165,13 +166,14 @@ bool has_bf16_dense_attention() {
 
 torch::Tensor dense_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
                                    bool causal) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
-                  q.size(2) == k.size(2),
-              "dense attention: q [N, Sq, D], k and v [N, Sk, D]");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) > 0 &&
+                  q.size(0) % k.size(0) == 0 && q.size(2) == k.size(2),
+              "dense attention: q [N, Sq, D], k and v [N / group, Sk, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
               "dense attention: bfloat16 only");
-  const int64_t N = q.size(0), Sq = q.size(1), Sk = k.size(1), D = q.size(2);
+  const int64_t N = q.size(0), NK = k.size(0), Sq = q.size(1), Sk = k.size(1), D = q.size(2);
+  const int64_t group = N / NK;  // query sequences (heads) per key sequence (kv head)
   TORCH_CHECK(D % 32 == 0 && D <= 256, "dense attention: head_dim a multiple of 32, up to 256");
   TORCH_CHECK(!causal || Sq <= Sk, "dense attention: causal needs Sq <= Sk");
   q = q.contiguous();
@@ -182,12 +184,12 @@ torch::Tensor dense_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tens
   if (N == 0 || Sq == 0) return out;
   const int64_t Skp = (Sk + 15) / 16 * 16;
   const int64_t packed = Skp * D / 2;  // uint32s per sequence, keys and values alike
-  std::vector<uint32_t> kpack(N * packed), vpack(N * packed);
+  std::vector<uint32_t> kpack(NK * packed), vpack(NK * packed);
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, NK, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       pack_dense_keys(kd + n * Sk * D, Sk, Skp, D, kpack.data() + n * packed);
       pack_dense_values(vd + n * Sk * D, Sk, Skp, D, vpack.data() + n * packed);
@@ -206,7 +208,7 @@ torch::Tensor dense_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tens
       // Keys any row of the block sees, in whole tiles.
       const int64_t seen = causal ? std::min(Sk, r0 + rows + Sk - Sq) : Sk;
       const int64_t tiles = (seen + 15) / 16;
-      const uint32_t* kp = kpack.data() + n * packed;
+      const uint32_t* kp = kpack.data() + n / group * packed;
       int64_t r = 0;
       for (; r + kDenseRows <= rows; r += kDenseRows)
         dense_scores<kDenseRows>(qn + r * D, D, kp, tiles, fscale, s.data() + r * Skp, Skp);
@@ -216,7 +218,7 @@ torch::Tensor dense_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tens
         const int64_t len = causal ? std::min(Sk, r0 + r + 1 + Sk - Sq) : Sk;
         sums[r] = dense_softmax_row(s.data() + r * Skp, len, pend, p.data() + r * Skp);
       }
-      const uint32_t* vp = vpack.data() + n * packed;
+      const uint32_t* vp = vpack.data() + n / group * packed;
       const int64_t n2 = pend / 2;
       uint16_t* on = od + (n * Sq + r0) * D;
       for (r = 0; r + kDensePvRows <= rows; r += kDensePvRows)

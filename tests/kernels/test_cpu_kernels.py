@@ -1014,12 +1014,15 @@ def test_dense_attention_is_the_softmax_of_bf16_products(
 ) -> None:
     """softmax(q k^T * scale) v in float32 sums over the bfloat16 inputs, the
     probabilities rounded to bfloat16 before they meet v (as the kernel
-    multiplies them), the output rounded once: against plain torch in float64,
-    and within bfloat16 rounding of float32 SDPA."""
+    multiplies them), the output rounded once, query heads sharing their kv
+    head: against plain torch in float64, and within bfloat16 rounding of
+    float32 SDPA."""
     gen = torch.Generator().manual_seed(sq * 31 + sk + d)
-    q, k, v = (torch.randn(n, 2, s, d, generator=gen).bfloat16() for s in (sq, sk, sk))
+    q = torch.randn(n, 6, sq, d, generator=gen).bfloat16()
+    k, v = (torch.randn(n, 2, sk, d, generator=gen).bfloat16() for _ in range(2))
     scale = d**-0.5
-    got = cpu_ops.dense_attention(q, k, v, scale, causal)
+    got = cpu_ops.dense_attention(q, k, v, scale, causal)  # 3 query heads per kv head
+    k, v = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     scores = (q.double() @ k.double().transpose(-1, -2)) * scale
     if causal:
