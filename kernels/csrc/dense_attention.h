@@ -69,27 +69,38 @@ inline void pack_dense_values(const uint16_t* v, int64_t Sk, int64_t Skp, int64_
   }
 }
 
-// Scores of rows [r0, r0 + R) against key tiles [0, tiles): s[r][key] = scale * q.k.
+// Scores of R rows against KT consecutive key tiles from `kt`:
+// s[r][key] = scale * q.k, R x KT accumulators in registers.
+template <int R, int KT>
+inline void dense_score_tiles(const uint16_t* q, int64_t D, const uint32_t* kp, int64_t kt,
+                              __m512 vscale, float* s, int64_t s_stride) {
+  const int64_t D2 = D / 2;
+  __m512 acc[R][KT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < KT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < D2; ++d2) {
+    __m512i kv[KT];
+    for (int t = 0; t < KT; ++t) kv[t] = _mm512_loadu_si512(kp + ((kt + t) * D2 + d2) * 16);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, q + r * D + 2 * d2, 4);
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int t = 0; t < KT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)kv[t], qb);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < KT; ++t)
+      _mm512_storeu_ps(s + r * s_stride + (kt + t) * 16, _mm512_mul_ps(acc[r][t], vscale));
+}
+
+// Scores of rows [0, R) against key tiles [0, tiles), two tiles at a time.
 template <int R>
 inline void dense_scores(const uint16_t* q, int64_t D, const uint32_t* kp, int64_t tiles,
                          float scale, float* s, int64_t s_stride) {
-  const int64_t D2 = D / 2;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t kt = 0; kt < tiles; ++kt) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const uint32_t* tile = kp + kt * D2 * 16;
-    for (int64_t d2 = 0; d2 < D2; ++d2) {
-      const __m512i kv = _mm512_loadu_si512(tile + d2 * 16);
-      for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, q + r * D + 2 * d2, 4);
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)kv,
-                                  (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
-      }
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * s_stride + kt * 16, _mm512_mul_ps(acc[r], vscale));
-  }
+  int64_t kt = 0;
+  for (; kt + 2 <= tiles; kt += 2) dense_score_tiles<R, 2>(q, D, kp, kt, vscale, s, s_stride);
+  if (kt < tiles) dense_score_tiles<R, 1>(q, D, kp, kt, vscale, s, s_stride);
 }
 
 // One row's softmax numerators over keys [0, n) into bf16 pairs p (zero from n
