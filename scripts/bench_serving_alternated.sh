@@ -22,6 +22,8 @@
 #
 #   SAMPLING=";--temperature 0.8 --top-p 0.95 --repetition-penalty 1.1;--temperature 0"
 #
+# PAGODA_ARGS adds flags to `pagoda serve` (e.g. "--quantization int8").
+#
 # CLIENT=vllm drives both servers with vLLM's own client, `vllm bench serve`
 # (through scripts/vllm_cli.sh and VLLM_PY), instead of
 # `pagoda bench serve`; HF_DIR gives it the tokenizer:
@@ -78,7 +80,8 @@ else
     --model "$HF_DIR" --served-model-name smollm2 --host 127.0.0.1 --port "$VPORT" \
     --dtype bfloat16 > "$OUT/vllm.log" 2>&1 &
   vpid=$!
-  $PY -m pagoda.frontend.pagoda_cli serve --port "$PPORT" > "$OUT/pagoda.log" 2>&1 &
+  read -ra p_args <<< "${PAGODA_ARGS:-}"
+  $PY -m pagoda.frontend.pagoda_cli serve --port "$PPORT" "${p_args[@]}" > "$OUT/pagoda.log" 2>&1 &
   ppid=$!
 fi
 trap 'kill -TERM $vpid $ppid 2>/dev/null || true; wait' EXIT
