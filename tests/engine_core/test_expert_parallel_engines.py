@@ -147,19 +147,19 @@ def test_the_command_lines_refuse_what_does_not_fit() -> None:
         timeout=120,
     )
     assert engine.returncode == 2 and "--data-parallel-rank in [0, 2)" in engine.stderr
+    # The default model is dense: its engines refuse, and pagoda serve stops.
     serve = subprocess.run(
         [
             sys.executable,
             "-m",
             "pagoda.frontend.pagoda_cli",
             "serve",
-            "--enable-elastic-ep",
             "--enable-expert-parallel",
             "--data-parallel-size",
             "2",
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
-    assert serve.returncode == 2 and "move experts" in serve.stderr
+    assert serve.returncode != 0 and "needs a mixture-of-experts model" in serve.stderr
