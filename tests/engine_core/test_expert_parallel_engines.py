@@ -84,13 +84,20 @@ def _rank(rank: int, port: int, failures: object) -> None:
     assert ExpertExchange(rank, 2).any_work(rank == 1)  # one busy rank: both see work
     assert not ExpertExchange(rank, 2).any_work(False)
     if rank == 1:
-        return  # gone: rank 0's next shared-memory wait must fail, not spin forever
+        # Gone, as a killed engine is (no teardown): rank 0's next shared-memory
+        # wait must fail, not spin forever.
+        shm.close()
+        failures.close()  # type: ignore[attr-defined]
+        failures.join_thread()  # type: ignore[attr-defined]
+        os._exit(0)
     try:
         shm.exchange_rows(torch.zeros(1, HIDDEN))
         failures.put("waited for a rank that is gone and got an answer")  # type: ignore[attr-defined]
     except RuntimeError as e:
         if "gone" not in str(e):
             failures.put(f"the wrong error: {e}")  # type: ignore[attr-defined]
+    shm.close()
+    torch.distributed.destroy_process_group()
 
 
 def test_exchanges_match_one_rank_with_every_expert() -> None:
